@@ -1,0 +1,18 @@
+"""K-FAC (Kronecker-factored approximate curvature) as an optax transformation."""
+
+from kfac_optax import losses
+from kfac_optax.blocks import KroneckerFactors
+from kfac_optax.train_state import TrainState
+from kfac_optax.transform import ScaleByKFACState
+from kfac_optax.transform import kfac
+from kfac_optax.transform import scale_by_kfac
+
+__all__ = [
+    "KroneckerFactors",
+    "ScaleByKFACState",
+    "TrainState",
+    "kfac",
+    "losses",
+    "scale_by_kfac",
+]
+__version__ = "0.1.0"

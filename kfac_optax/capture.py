@@ -1,0 +1,164 @@
+"""The capture pass: layer inputs and output gradients from one forward/vjp.
+
+The user's model runs under a `flax.linen.intercept_methods` interceptor. Each
+call of a captured layer (see `layers.py`)
+
+- sows its input into the flax collection ``kfac_inputs`` (one tuple entry per
+  call, so shared modules keep every call), and
+- adds a zero perturbation from the collection ``kfac_perturbations`` to its
+  output (one variable per call), so that the gradient with respect to the
+  perturbation is the gradient with respect to the layer output.
+
+Both travel as flax collections, never Python lists, so they follow the
+module through lifted transforms the way any other variable does. This module
+knows nothing about curvature blocks or inverses.
+"""
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+import flax.linen as nn
+import jax
+from flax import traverse_util
+
+from kfac_optax import layers
+
+INPUTS = "kfac_inputs"
+PERTURBATIONS = "kfac_perturbations"
+_INPUT_NAME = "kfac_in"
+_OUTPUT_PREFIX = "kfac_out_"
+
+Path = tuple[str, ...]
+
+
+class _Interceptor:
+  """Hooks every captured layer call; optionally records its kind by path."""
+
+  def __init__(self, kinds: dict[Path, str] | None = None):
+    self.kinds = kinds
+
+  def __call__(self, next_fun, args, kwargs, context):
+    module = context.module
+    kind = layers.kind_of(module)
+    if kind is None or context.method_name != "__call__":
+      return next_fun(*args, **kwargs)
+    if self.kinds is not None:
+      self.kinds[tuple(module.path)] = kind
+    layer_input = args[0] if args else next(iter(kwargs.values()))
+    previous_calls = module.get_variable(INPUTS, _INPUT_NAME, ())
+    module.sow(INPUTS, _INPUT_NAME, layer_input)
+    output = next_fun(*args, **kwargs)
+    return module.perturb(
+        f"{_OUTPUT_PREFIX}{len(previous_calls)}", output, collection=PERTURBATIONS)
+
+
+class Discovered(NamedTuple):
+  """What one abstract trace of the model finds.
+
+  Attributes:
+    kinds: module path -> block kind, for every captured layer.
+    num_calls: module path -> how many times the layer was called.
+    perturbations: abstract (ShapeDtypeStruct) ``kfac_perturbations``
+      collection, to be filled with zeros for `capture`.
+  """
+  kinds: dict[Path, str]
+  num_calls: dict[Path, int]
+  perturbations: Any
+
+
+def hooked_apply(
+    apply_fn: Callable[..., Any],
+    args: Sequence[Any],
+    apply_kwargs: dict[str, Any],
+    mutable: bool | Sequence[str],
+    interceptor: Callable[..., Any] | None = None,
+) -> Callable[[Any], tuple[Any, Any]]:
+  """``variables -> (outputs, collections)``: the model run under the hooks."""
+  interceptor = interceptor or _Interceptor()
+  mutable = mutable if isinstance(mutable, bool) else list(mutable)
+
+  def run(variables):
+    with nn.intercept_methods(interceptor):
+      return apply_fn(variables, *args, mutable=mutable, **apply_kwargs)
+  return run
+
+
+def discover(
+    apply_fn: Callable[..., Any],
+    variables: Any,
+    args: Sequence[Any],
+    apply_kwargs: dict[str, Any],
+    mutable: bool | Sequence[str] = (),
+) -> Discovered:
+  """Finds the captured layers by tracing the model abstractly (no FLOPs).
+
+  Args:
+    apply_fn: flax apply function.
+    variables: the variables to run with (params and other collections).
+    args: positional inputs.
+    apply_kwargs: keyword arguments of ``apply_fn``.
+    mutable: collections the model may write besides K-FAC's own; True makes
+      every collection mutable, so missing ones (e.g. batch_stats) get created.
+  """
+  kinds: dict[Path, str] = {}
+  if not isinstance(mutable, bool):
+    mutable = [*mutable, INPUTS, PERTURBATIONS]
+  run = hooked_apply(apply_fn, args, apply_kwargs, mutable, _Interceptor(kinds))
+  _, collections = jax.eval_shape(run, variables)
+  inputs = by_layer(collections.get(INPUTS, {}))
+  return Discovered(
+      kinds=kinds,
+      num_calls={path: len(calls) for path, calls in inputs.items()},
+      perturbations=collections.get(PERTURBATIONS, {}))
+
+
+def by_layer(collection: Any) -> dict[Path, tuple[Any, ...]]:
+  """A ``kfac_inputs`` or ``kfac_perturbations`` tree -> {path: per-call tuple}."""
+  grouped: dict[Path, dict[int, Any]] = {}
+  for key, value in traverse_util.flatten_dict(collection).items():
+    path, name = key[:-1], key[-1]
+    if name == _INPUT_NAME:
+      grouped[path] = dict(enumerate(value))
+    else:
+      grouped.setdefault(path, {})[int(name[len(_OUTPUT_PREFIX):])] = value
+  return {path: tuple(calls[i] for i in sorted(calls))
+          for path, calls in grouped.items()}
+
+
+class Captured(NamedTuple):
+  """Result of one capture pass.
+
+  Attributes:
+    outputs: the model output.
+    inputs: module path -> per-call layer inputs.
+    output_grads: module path -> per-call output gradients, each with a
+      leading axis of size K (one per cotangent).
+    primal_grads: gradients of the extra primals, leading axis K.
+  """
+  outputs: Any
+  inputs: dict[Path, tuple[jax.Array, ...]]
+  output_grads: dict[Path, tuple[jax.Array, ...]]
+  primal_grads: Any
+
+
+def capture(
+    model: Callable[[Any, Any], tuple[Any, Any]],
+    primals: Any,
+    perturbations: Any,
+    cotangents_fn: Callable[[Any], jax.Array],
+) -> Captured:
+  """One forward pass and one (vmapped) vjp through the hooked model.
+
+  Args:
+    model: ``(primals, perturbations) -> (outputs, kfac_inputs collection)``.
+    primals: extra differentiable inputs (parameters whose gradients the
+      caller wants per cotangent, e.g. those of the diagonal fallback).
+    perturbations: the zero ``kfac_perturbations`` collection.
+    cotangents_fn: ``outputs -> (K, *outputs.shape)`` output cotangents.
+
+  Returns:
+    The captured inputs and gradients, see `Captured`.
+  """
+  outputs, vjp_fn, inputs = jax.vjp(model, primals, perturbations, has_aux=True)
+  primal_grads, perturbation_grads = jax.vmap(vjp_fn)(cotangents_fn(outputs))
+  return Captured(outputs, by_layer(inputs), by_layer(perturbation_grads),
+                  primal_grads)

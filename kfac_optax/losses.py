@@ -1,0 +1,189 @@
+"""Predictive distributions that K-FAC needs to know about the training loss.
+
+Each loss is the negative log-likelihood of a distribution over targets given
+the model output ``f``. It reduces its event axis (the last axis of ``f``) and
+averages over every leading axis, so a batch holding ``L`` terms (examples, or
+examples x positions) has loss ``(1/L) sum_i -log p(y_i | f_i)``.
+
+Besides its value, K-FAC needs three things from a loss: samples ``y ~ p(y|f)``
+(``estimation="fisher"``), a square root of the output Fisher
+``F_out = E_y[∇_f log p ∇_f log pᵀ]`` (``estimation="exact"``), and the
+gradient of the summed NLL with respect to ``f`` (every mode).
+"""
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+Batch = Any
+Estimation = str
+ESTIMATIONS = ("fisher", "empirical", "exact")
+
+
+def _second_element(batch: Batch) -> jax.Array:
+  if not isinstance(batch, (tuple, list)):
+    raise TypeError(
+        "the loss's default `targets` reads batch[1], but the batch is a "
+        f"{type(batch).__name__}; pass targets=lambda batch: ... to the loss")
+  return batch[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class PredictiveLoss:
+  """Base class: a negative log-likelihood with sampling and Fisher access.
+
+  Attributes:
+    targets: batch -> targets of the loss (default: ``batch[1]``).
+  """
+
+  targets: Callable[[Batch], jax.Array] = _second_element
+
+  def nll(self, outputs: jax.Array, targets: jax.Array) -> jax.Array:
+    """Per-term negative log-likelihood, shape ``outputs.shape[:-1]``."""
+    raise NotImplementedError
+
+  def sample(self, rng: jax.Array, outputs: jax.Array) -> jax.Array:
+    """One draw of targets from the model's predictive distribution."""
+    raise NotImplementedError
+
+  def fisher_sqrt(self, outputs: jax.Array) -> jax.Array:
+    """Columns ``B[k]`` (shape ``(C, *outputs.shape)``) with ``Σ_k B_k B_kᵀ = F_out``.
+
+    ``F_out`` is the Fisher of the distribution with respect to ``f``, one
+    ``C x C`` matrix per term, ``C = outputs.shape[-1]``.
+    """
+    raise NotImplementedError
+
+  def value(self, outputs: jax.Array, batch: Batch) -> jax.Array:
+    """The training loss: the mean NLL over all terms of the batch."""
+    return jnp.mean(self.nll(outputs, self.targets(batch)))
+
+
+class Categorical(PredictiveLoss):
+  """Categorical distribution over the last axis of the logits ``f``.
+
+  Targets are integer labels of shape ``f.shape[:-1]``. With ``p = softmax(f)``
+  the output Fisher is ``diag(p) - p pᵀ``; its square root has columns
+  ``B_k = sqrt(p_k) (e_k - p)``.
+  """
+
+  def nll(self, outputs, targets):
+    return optax.softmax_cross_entropy_with_integer_labels(
+        outputs.astype(jnp.float32), targets)
+
+  def sample(self, rng, outputs):
+    return jax.random.categorical(rng, outputs.astype(jnp.float32))
+
+  def fisher_sqrt(self, outputs):
+    p = jax.nn.softmax(outputs.astype(jnp.float32))
+    root_p = jnp.sqrt(p)
+    # columns[..., k, j] = sqrt(p_k) (δ_kj - p_j)
+    columns = _diagonal_embed(root_p) - root_p[..., :, None] * p[..., None, :]
+    return jnp.moveaxis(columns, -2, 0)
+
+
+class Bernoulli(PredictiveLoss):
+  """Independent Bernoulli per output unit, summed over the last axis.
+
+  Targets are in [0, 1] with the shape of ``f``. The output Fisher is
+  ``diag(σ(f)(1 - σ(f)))``.
+  """
+
+  def nll(self, outputs, targets):
+    return jnp.sum(optax.sigmoid_binary_cross_entropy(
+        outputs.astype(jnp.float32), targets), axis=-1)
+
+  def sample(self, rng, outputs):
+    probs = jax.nn.sigmoid(outputs.astype(jnp.float32))
+    return jax.random.bernoulli(rng, probs).astype(jnp.float32)
+
+  def fisher_sqrt(self, outputs):
+    probs = jax.nn.sigmoid(outputs.astype(jnp.float32))
+    return jnp.moveaxis(_diagonal_embed(jnp.sqrt(probs * (1 - probs))), -2, 0)
+
+
+class Gaussian(PredictiveLoss):
+  """Unit-variance Gaussian: ``0.5 ||y - f||²`` over the last axis.
+
+  The output Fisher is the identity.
+  """
+
+  def nll(self, outputs, targets):
+    return 0.5 * jnp.sum(
+        jnp.square(targets - outputs.astype(jnp.float32)), axis=-1)
+
+  def sample(self, rng, outputs):
+    outputs = outputs.astype(jnp.float32)
+    return outputs + jax.random.normal(rng, outputs.shape)
+
+  def fisher_sqrt(self, outputs):
+    ones = jnp.ones(outputs.shape, jnp.float32)
+    return jnp.moveaxis(_diagonal_embed(ones), -2, 0)
+
+
+def softmax_cross_entropy(
+    targets: Callable[[Batch], jax.Array] = _second_element) -> Categorical:
+  """Softmax cross-entropy with integer labels ``targets(batch)``."""
+  return Categorical(targets)
+
+
+def sigmoid_cross_entropy(
+    targets: Callable[[Batch], jax.Array] = _second_element) -> Bernoulli:
+  """Sigmoid cross-entropy summed over the last axis; targets in [0, 1]."""
+  return Bernoulli(targets)
+
+
+def squared_error(
+    targets: Callable[[Batch], jax.Array] = _second_element) -> Gaussian:
+  """``0.5 ||y - f||²`` summed over the last axis (unit-variance Gaussian)."""
+  return Gaussian(targets)
+
+
+def _diagonal_embed(x: jax.Array) -> jax.Array:
+  """[..., C] -> [..., C, C] with x on the diagonal."""
+  return x[..., :, None] * jnp.eye(x.shape[-1], dtype=x.dtype)
+
+
+def num_terms(outputs: jax.Array) -> int:
+  """L: the number of NLL terms the loss averages over (all leading axes)."""
+  return outputs.size // outputs.shape[-1]
+
+
+def output_cotangents(
+    loss: PredictiveLoss,
+    outputs: jax.Array,
+    batch: Batch,
+    estimation: Estimation,
+    rng: jax.Array | None,
+    num_samples: int,
+) -> jax.Array:
+  """Cotangents on the model output whose backward passes give K-FAC's ``g``.
+
+  Returns an array of shape ``(K, *outputs.shape)``. Back-propagating
+  cotangent ``k`` gives layer output gradients ``g_k``, scaled so that every
+  Fisher estimate is the plain sum ``Σ_k g_k g_kᵀ``:
+
+  - ``"empirical"``: K = 1, ``∂ Σ_i NLL_i(f, y_batch) / ∂f``.
+  - ``"fisher"``: K = ``num_samples`` draws ``y ~ p(y|f)``, each gradient
+    scaled by ``1/sqrt(K)`` (so the sum is the sample mean).
+  - ``"exact"``: K = C columns of the output-Fisher square root, so
+    ``Σ_k g_k g_kᵀ = Jᵀ F_out J`` exactly.
+  """
+  def summed_nll_grad(targets):
+    return jax.grad(lambda f: jnp.sum(loss.nll(f, targets)))(outputs)
+
+  if estimation == "empirical":
+    cotangents = summed_nll_grad(loss.targets(batch))[None]
+  elif estimation == "fisher":
+    keys = jax.random.split(rng, num_samples)
+    samples = jax.vmap(loss.sample, in_axes=(0, None))(keys, outputs)
+    cotangents = jax.vmap(summed_nll_grad)(samples) / jnp.sqrt(num_samples)
+  elif estimation == "exact":
+    cotangents = loss.fisher_sqrt(outputs)
+  else:
+    raise ValueError(
+        f"estimation must be one of {ESTIMATIONS}, got {estimation!r}")
+  return cotangents.astype(outputs.dtype)
