@@ -50,3 +50,82 @@ def test_matches_brute_force_after_one_and_two_updates(estimation, inverse):
   for name in bf.LAYERS:
     assert bf.relative_error(state.factors[name], ema[name]) < 1e-4
   assert bf.relative_error(out2, bf.precondition(ema, grads2, DAMPING)) < 1e-3
+
+
+def test_fisher_estimate_averages_to_exact():
+  """Sampled-target statistics are unbiased: their mean over rng draws is exact."""
+  tx, params = make_tx(estimation="fisher")
+  _, batch = bf.tiny_problem(seed=1)
+  grads = random_grads(params, 3)
+
+  def factors_for(rng):
+    _, state = tx.update(grads, tx.init(params), params, batch=batch, rng=rng)
+    return state.factors
+
+  draws = jax.jit(jax.vmap(factors_for))(jax.random.split(jax.random.key(0), 4000))
+  exact = bf.factors(params, batch, "exact")
+  for name in bf.LAYERS:
+    a, g = jax.tree.map(lambda x: np.mean(np.asarray(x, np.float64), 0), draws[name])
+    assert bf.relative_error(a, exact[name][0]) < 1e-5  # A does not depend on y
+    assert bf.relative_error(g, exact[name][1]) < 0.05
+    single = np.asarray(draws[name].g[0], np.float64)
+    assert bf.relative_error(single, exact[name][1]) > 0.05  # one draw is noisy
+
+
+def test_inverse_update_period_keeps_inverses_between_refreshes():
+  tx, params = make_tx(estimation="empirical", inverse_update_period=3)
+  update = jax.jit(lambda s, b: tx.update(params, s, params, batch=b)[1])
+  state = tx.init(params)
+  history = []
+  for seed in range(1, 5):
+    state = update(state, bf.tiny_problem(seed=seed)[1])
+    history.append(state)
+  for later in history[1:3]:  # counts 1 and 2: last inverse reused
+    jax.tree.map(np.testing.assert_array_equal, later.inverses, history[0].inverses)
+    assert not np.allclose(later.factors["out"].g, history[0].factors["out"].g)
+  refreshed = history[3]  # count 3: recomputed from the statistics of then
+  for name in bf.LAYERS:
+    a, g = (np.asarray(f, np.float64) for f in refreshed.factors[name])
+    da, dg = bf.pi_damping(a, g, DAMPING)
+    expected_a = np.linalg.inv(a + da * np.eye(len(a)))
+    expected_g = np.linalg.inv(g + dg * np.eye(len(g)))
+    assert bf.relative_error(refreshed.inverses[name].a, expected_a) < 1e-3
+    assert bf.relative_error(refreshed.inverses[name].g, expected_g) < 1e-3
+    assert not np.allclose(refreshed.inverses[name].a, history[0].inverses[name].a)
+
+
+def test_stats_update_period_skips_statistics():
+  tx, params = make_tx(estimation="empirical", stats_update_period=2)
+  update = jax.jit(lambda s, b: tx.update(params, s, params, batch=b)[1])
+  state = tx.init(params)
+  factors = []
+  for seed in range(1, 4):
+    state = update(state, bf.tiny_problem(seed=seed)[1])
+    factors.append(state.factors)
+  assert int(state.stats_count) == 2 and int(state.count) == 3
+  jax.tree.map(np.testing.assert_array_equal, factors[1], factors[0])
+  expected = bf.factors(params, bf.tiny_problem(seed=1)[1], "empirical")
+  for name in bf.LAYERS:
+    assert bf.relative_error(factors[0][name], expected[name]) < 1e-4
+
+
+def test_eigh_and_cholesky_agree():
+  _, batch = bf.tiny_problem(seed=1)
+  outputs = []
+  for inverse in ("eigh", "cholesky"):
+    tx, params = make_tx(estimation="exact", inverse=inverse, damping=1e-4)
+    outputs.append(tx.update(random_grads(params, 3), tx.init(params), params,
+                             batch=batch)[0])
+  assert bf.relative_error(outputs[0], jax.tree.map(np.asarray, outputs[1])) < 1e-3
+
+
+def test_non_finite_statistics_never_enter_the_factors():
+  tx, params = make_tx(estimation="empirical")
+  update = jax.jit(lambda s, b: tx.update(params, s, params, batch=b))
+  x, y = bf.tiny_problem(seed=1)[1]
+  _, good = update(tx.init(params), (x, y))
+  out, bad = update(good, (x.at[0, 0].set(jnp.nan), y))
+  jax.tree.map(np.testing.assert_array_equal, bad.factors, good.factors)
+  jax.tree.map(np.testing.assert_array_equal, bad.inverses, good.inverses)
+  assert int(bad.stats_count) == 1 and int(bad.count) == 2
+  assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(out))

@@ -1,0 +1,77 @@
+"""Predictive distributions: values, samples and output-Fisher square roots."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kfac_optax import losses
+
+OUTPUTS = jax.random.normal(jax.random.key(0), (2, 3, 4))  # two leading axes
+
+
+def fisher_from_sqrt(loss):
+  columns = np.asarray(loss.fisher_sqrt(OUTPUTS), np.float64)  # (C, 2, 3, C)
+  return np.einsum("kabi,kabj->abij", columns, columns)
+
+
+def score_outer(loss, targets):
+  """∇_f NLL ∇_f NLLᵀ per term, for given targets."""
+  grad = jax.grad(lambda f: jnp.sum(loss.nll(f, targets)))(OUTPUTS)
+  grad = np.asarray(grad, np.float64)
+  return np.einsum("abi,abj->abij", grad, grad)
+
+
+def test_categorical_fisher_sqrt_is_expected_score_outer_product():
+  loss = losses.softmax_cross_entropy()
+  p = np.asarray(jax.nn.softmax(OUTPUTS), np.float64)
+  expected = sum(p[..., k, None, None] * score_outer(loss, jnp.full((2, 3), k))
+                 for k in range(4))  # E_y over all classes
+  np.testing.assert_allclose(fisher_from_sqrt(loss), expected, atol=1e-6)
+  explicit = np.einsum("abi,ij->abij", p, np.eye(4)) - np.einsum("abi,abj->abij", p, p)
+  np.testing.assert_allclose(fisher_from_sqrt(loss), explicit, atol=1e-6)
+
+
+def test_bernoulli_fisher_sqrt_is_expected_score_outer_product():
+  loss = losses.sigmoid_cross_entropy()
+  q = np.asarray(jax.nn.sigmoid(OUTPUTS), np.float64)
+  expected = np.zeros((2, 3, 4, 4))
+  for bits in itertools.product([0.0, 1.0], repeat=4):  # all 16 outcomes
+    y = np.broadcast_to(np.array(bits), (2, 3, 4))
+    prob = np.prod(np.where(y == 1, q, 1 - q), -1)[..., None, None]
+    expected += prob * score_outer(loss, jnp.asarray(y, jnp.float32))
+  np.testing.assert_allclose(fisher_from_sqrt(loss), expected, atol=1e-6)
+
+
+def test_gaussian_fisher_sqrt_is_identity_and_samples_match():
+  loss = losses.squared_error()
+  np.testing.assert_allclose(fisher_from_sqrt(loss),
+                             np.broadcast_to(np.eye(4), (2, 3, 4, 4)), atol=1e-7)
+  draws = jax.vmap(loss.sample, (0, None))(
+      jax.random.split(jax.random.key(1), 20000), OUTPUTS)
+  mean_outer = np.mean([score_outer(loss, y) for y in draws[:2000]], 0)
+  np.testing.assert_allclose(mean_outer, fisher_from_sqrt(loss), atol=0.15)
+  np.testing.assert_allclose(np.mean(draws, 0), OUTPUTS, atol=0.05)
+
+
+@pytest.mark.parametrize("make, targets, expected", [
+    (losses.softmax_cross_entropy, jnp.zeros((2, 3), jnp.int32),
+     lambda f, y: -jax.nn.log_softmax(f)[..., 0]),
+    (losses.sigmoid_cross_entropy, jnp.ones((2, 3, 4)),
+     lambda f, y: -jnp.sum(jax.nn.log_sigmoid(f), -1)),
+    (losses.squared_error, jnp.ones((2, 3, 4)),
+     lambda f, y: 0.5 * jnp.sum((1 - f) ** 2, -1)),
+])
+def test_value_is_mean_of_per_term_nll(make, targets, expected):
+  loss = make(targets=lambda batch: batch["y"])
+  assert loss.nll(OUTPUTS, targets).shape == (2, 3)
+  np.testing.assert_allclose(loss.value(OUTPUTS, {"y": targets}),
+                             jnp.mean(expected(OUTPUTS, targets)), rtol=1e-6)
+  assert losses.num_terms(OUTPUTS) == 6
+
+
+def test_default_targets_need_a_tuple_batch():
+  with pytest.raises(TypeError, match="targets="):
+    losses.softmax_cross_entropy().value(OUTPUTS, {"y": 0})
