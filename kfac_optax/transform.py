@@ -192,6 +192,11 @@ def scale_by_kfac(
           apply_fn, {"params": params, **variables}, model_args(batch),
           {**apply_kwargs, "rngs": {"dropout": jax.random.key(0)}}, mutable)
     except Exception as error:  # re-raised with the fix named
+      if "params" in params:
+        raise ValueError(
+            "scale_by_kfac got the whole variables dict as params: pass the "
+            "'params' collection, variables['params'] (other collections go "
+            "in update(..., variables=...))") from error
       raise ValueError(
           f"scale_by_kfac could not run apply_fn on {what}: "
           f"{type(error).__name__}: {error}\nFix: {what} must have the "
@@ -204,12 +209,6 @@ def scale_by_kfac(
     for path, kind in discovered.kinds.items():
       layer_params = {key[-1]: leaf for key, leaf in flat_params.items()
                       if key[:-1] == path}
-      if not layer_params:
-        raise ValueError(
-            f"params have no entry for the layer at {_key(path) or '<root>'!r} "
-            f"found in apply_fn; pass the 'params' collection "
-            f"(variables['params']), not the whole variables dict. "
-            f"Top-level keys given: {sorted({k[0] for k in flat_params})}")
       block = blocks.BLOCK_KINDS[kind](layer_params)
       layers[_key(path)] = (path, block)
       owned.update(path + (name,) for name in block.param_names)
@@ -346,13 +345,23 @@ def kfac(
     example_batch: Any,
     learning_rate: optax.ScalarOrSchedule,
     momentum: optax.ScalarOrSchedule = 0.9,
-    **scale_by_kfac_kwargs: Any,
+    inputs: Callable[[Any], Any] | None = None,
+    damping: optax.ScalarOrSchedule = 1e-3,
+    ema_decay: float = 0.95,
+    inverse_update_period: int = 5,
+    stats_update_period: int = 1,
+    estimation: str = "fisher",
+    inverse: str = "eigh",
+    num_samples: int = 1,
+    apply_kwargs: dict[str, Any] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC with momentum and a learning rate: the optimizer to drop in.
 
   ``optax.chain(scale_by_kfac(...), trace(decay=momentum), -learning_rate)``:
   the update is ``-lr · m_t`` with ``m_t = momentum · m_{t-1} + U_t`` and
-  ``U_t`` the K-FAC preconditioned gradient.
+  ``U_t`` the K-FAC preconditioned gradient. The arguments are spelled out
+  (no ``**kwargs``) so that ``optax.inject_hyperparams(kfac, static_args=
+  ("apply_fn", "num_samples"))`` can inject any of them.
 
   Args:
     apply_fn: the flax apply function, e.g. ``model.apply``.
@@ -360,14 +369,26 @@ def kfac(
     example_batch: see `scale_by_kfac`.
     learning_rate: a float or a schedule of the step.
     momentum: a float or a schedule of the step (0 disables momentum).
-    **scale_by_kfac_kwargs: forwarded to `scale_by_kfac` (damping, ...).
+    inputs: see `scale_by_kfac`.
+    damping: see `scale_by_kfac`.
+    ema_decay: see `scale_by_kfac`.
+    inverse_update_period: see `scale_by_kfac`.
+    stats_update_period: see `scale_by_kfac`.
+    estimation: see `scale_by_kfac`.
+    inverse: see `scale_by_kfac`.
+    num_samples: see `scale_by_kfac`.
+    apply_kwargs: see `scale_by_kfac`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update`` needs
     ``batch=`` (and ``rng=`` for ``estimation="fisher"``).
   """
   return optax.chain(
-      scale_by_kfac(apply_fn, loss, example_batch=example_batch,
-                    **scale_by_kfac_kwargs),
+      scale_by_kfac(
+          apply_fn, loss, example_batch=example_batch, inputs=inputs,
+          damping=damping, ema_decay=ema_decay,
+          inverse_update_period=inverse_update_period,
+          stats_update_period=stats_update_period, estimation=estimation,
+          inverse=inverse, num_samples=num_samples, apply_kwargs=apply_kwargs),
       optax.inject_hyperparams(optax.trace)(decay=momentum),
       optax.scale_by_learning_rate(learning_rate))
