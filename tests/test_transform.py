@@ -72,14 +72,18 @@ def test_fisher_estimate_averages_to_exact():
     assert bf.relative_error(single, exact[name][1]) > 0.05  # one draw is noisy
 
 
-def test_inverse_update_period_keeps_inverses_between_refreshes():
-  tx, params = make_tx(estimation="empirical", inverse_update_period=3)
+def states_after_updates(num_updates, **kwargs):
+  """States after each of `num_updates` empirical updates on new batches."""
+  tx, params = make_tx(estimation="empirical", **kwargs)
   update = jax.jit(lambda s, b: tx.update(params, s, params, batch=b)[1])
-  state = tx.init(params)
-  history = []
-  for seed in range(1, 5):
-    state = update(state, bf.tiny_problem(seed=seed)[1])
-    history.append(state)
+  states = [tx.init(params)]
+  for seed in range(1, num_updates + 1):
+    states.append(update(states[-1], bf.tiny_problem(seed=seed)[1]))
+  return states[1:]
+
+
+def test_inverse_update_period_keeps_inverses_between_refreshes():
+  history = states_after_updates(4, inverse_update_period=3)
   for later in history[1:3]:  # counts 1 and 2: last inverse reused
     jax.tree.map(np.testing.assert_array_equal, later.inverses, history[0].inverses)
     assert not np.allclose(later.factors["out"].g, history[0].factors["out"].g)
@@ -95,16 +99,12 @@ def test_inverse_update_period_keeps_inverses_between_refreshes():
 
 
 def test_stats_update_period_skips_statistics():
-  tx, params = make_tx(estimation="empirical", stats_update_period=2)
-  update = jax.jit(lambda s, b: tx.update(params, s, params, batch=b)[1])
-  state = tx.init(params)
-  factors = []
-  for seed in range(1, 4):
-    state = update(state, bf.tiny_problem(seed=seed)[1])
-    factors.append(state.factors)
-  assert int(state.stats_count) == 2 and int(state.count) == 3
+  history = states_after_updates(3, stats_update_period=2)
+  factors = [state.factors for state in history]
+  assert int(history[-1].stats_count) == 2 and int(history[-1].count) == 3
   jax.tree.map(np.testing.assert_array_equal, factors[1], factors[0])
-  expected = bf.factors(params, bf.tiny_problem(seed=1)[1], "empirical")
+  params, batch = bf.tiny_problem(seed=0)[0], bf.tiny_problem(seed=1)[1]
+  expected = bf.factors(params, batch, "empirical")
   for name in bf.LAYERS:
     assert bf.relative_error(factors[0][name], expected[name]) < 1e-4
 
