@@ -225,8 +225,9 @@ def scale_by_kfac(
     factors, inverses = {}, {}
     for key, block in plan.all_blocks().items():
       factors[key], inverses[key] = block.init()
-    zero = jnp.zeros([], jnp.int32)
-    return ScaleByKFACState(zero, zero, factors, inverses)
+    # Two distinct buffers: a state passed with donate_argnums must not alias.
+    return ScaleByKFACState(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32),
+                            factors, inverses)
 
   def batch_statistics(plan, params, batch, variables, rng):
     flat_params, treedef = _flatten(params)

@@ -129,3 +129,13 @@ def test_non_finite_statistics_never_enter_the_factors():
   jax.tree.map(np.testing.assert_array_equal, bad.inverses, good.inverses)
   assert int(bad.stats_count) == 1 and int(bad.count) == 2
   assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(out))
+
+
+def test_fresh_state_can_be_donated():
+  """No two leaves of a new state share a buffer (donate_argnums needs that)."""
+  tx, params = make_tx(estimation="empirical")
+  _, batch = bf.tiny_problem(seed=1)
+  step = jax.jit(lambda s: tx.update(params, s, params, batch=batch)[1],
+                 donate_argnums=0)
+  state = step(step(tx.init(params)))
+  assert int(state.count) == 2

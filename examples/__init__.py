@@ -1,0 +1,1 @@
+"""Examples for kfac_optax (a package so tests can import them)."""

@@ -1,0 +1,109 @@
+"""Small local classification data sets for the examples (never downloads).
+
+`load_classification` prefers Fashion-MNIST as installed by the Debian
+package ``dataset-fashion-mnist`` (idx files under
+``/usr/share/datasets/fashion-mnist/``) and falls back to the 8x8 digits that
+ship inside scikit-learn.
+"""
+
+import gzip
+import os
+
+import numpy as np
+
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+_FASHION_MNIST_FILES = {
+    "x_train": "train-images-idx3-ubyte.gz",
+    "y_train": "train-labels-idx1-ubyte.gz",
+    "x_test": "t10k-images-idx3-ubyte.gz",
+    "y_test": "t10k-labels-idx1-ubyte.gz",
+}
+_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4",
+               0x0D: ">f4", 0x0E: ">f8"}
+
+
+def read_idx(path):
+  """Reads a (possibly gzipped) idx file into a numpy array.
+
+  The idx header is two zero bytes, a type code, the number of dimensions
+  ``n`` and then ``n`` big-endian uint32 sizes; the data follow row-major.
+
+  Args:
+    path: file name; read through gzip when it ends in ``.gz``.
+
+  Returns:
+    The array, with the shape and dtype the header gives.
+  """
+  opener = gzip.open if path.endswith(".gz") else open
+  with opener(path, "rb") as f:
+    raw = f.read()
+  if raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
+    raise ValueError(f"{path} is not an idx file (header {raw[:4]!r})")
+  ndim = raw[3]
+  shape = tuple(int(s) for s in np.frombuffer(raw, ">u4", ndim, offset=4))
+  dtype = np.dtype(_IDX_DTYPES[raw[2]])
+  data = np.frombuffer(raw, dtype, int(np.prod(shape)), offset=4 + 4 * ndim)
+  return data.reshape(shape)
+
+
+def fashion_mnist_available(directory=FASHION_MNIST_DIR):
+  """True when all four Fashion-MNIST idx files are in ``directory``."""
+  return all(os.path.isfile(os.path.join(directory, name))
+             for name in _FASHION_MNIST_FILES.values())
+
+
+def load_fashion_mnist(directory=FASHION_MNIST_DIR):
+  """Fashion-MNIST: 60000 train and 10000 test 28x28 images, 10 classes.
+
+  Returns:
+    ``(x_train, y_train, x_test, y_test)``: float32 images in [0, 1]
+    flattened to ``(N, 784)`` and int32 labels.
+  """
+  arrays = {key: read_idx(os.path.join(directory, name))
+            for key, name in _FASHION_MNIST_FILES.items()}
+  def images(x):
+    return (x.reshape(len(x), -1) / 255.0).astype(np.float32)
+  return (images(arrays["x_train"]), arrays["y_train"].astype(np.int32),
+          images(arrays["x_test"]), arrays["y_test"].astype(np.int32))
+
+
+def load_digits(test_fraction=0.2):
+  """scikit-learn's bundled 8x8 digits, the last ``test_fraction`` as test.
+
+  Returns:
+    ``(x_train, y_train, x_test, y_test)``: float32 pixels in [0, 1]
+    (raw values are 0..16) as ``(N, 64)`` and int32 labels.
+  """
+  from sklearn.datasets import load_digits as sklearn_digits  # bundled data
+  digits = sklearn_digits()
+  x = (digits.data / 16.0).astype(np.float32)
+  y = digits.target.astype(np.int32)
+  split = len(x) - int(round(test_fraction * len(x)))
+  return x[:split], y[:split], x[split:], y[split:]
+
+
+def load_classification(name="auto"):
+  """Loads a classification data set from local files only.
+
+  Args:
+    name: ``"fashion_mnist"``, ``"digits"`` or ``"auto"`` (Fashion-MNIST when
+      the Debian package ``dataset-fashion-mnist`` is installed, digits
+      otherwise).
+
+  Returns:
+    ``(x_train, y_train, x_test, y_test, description)``: float32 features in
+    [0, 1] of shape ``(N, features)``, int32 labels and a human-readable name
+    of the data set.
+  """
+  if name == "auto":
+    name = "fashion_mnist" if fashion_mnist_available() else "digits"
+  if name == "fashion_mnist":
+    if not fashion_mnist_available():
+      raise FileNotFoundError(
+          f"Fashion-MNIST not found in {FASHION_MNIST_DIR}; install the "
+          "Debian package dataset-fashion-mnist or use name='digits'")
+    return (*load_fashion_mnist(), "Fashion-MNIST (28x28, 10 classes)")
+  if name == "digits":
+    return (*load_digits(), "scikit-learn digits (8x8, 10 classes)")
+  raise ValueError(
+      f"unknown data set {name!r}; use 'auto', 'fashion_mnist' or 'digits'")
