@@ -2,6 +2,7 @@
 
 from kfac_optax import losses
 from kfac_optax.blocks import KroneckerFactors
+from kfac_optax.layers import register_layer
 from kfac_optax.train_state import TrainState
 from kfac_optax.transform import ScaleByKFACState
 from kfac_optax.transform import kfac
@@ -13,6 +14,7 @@ __all__ = [
     "TrainState",
     "kfac",
     "losses",
+    "register_layer",
     "scale_by_kfac",
 ]
 __version__ = "0.1.0"

@@ -13,48 +13,58 @@ position of one example at which a layer is applied, and every output gradient
 """
 
 import dataclasses
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 
+from kfac_optax import layouts
 from kfac_optax import linalg
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 class KroneckerFactors(NamedTuple):
-  """``A`` (input second moment) and ``G`` (output-gradient second moment)."""
+  """``A`` (input second moment) and ``G`` (output-gradient second moment).
+
+  Both carry a leading stack axis ``S`` (see `layouts`): ``a`` is
+  ``(S, in_dim [+ 1], in_dim [+ 1])``, ``g`` is ``(S, out_dim, out_dim)``.
+  An embedding keeps ``a`` as its diagonal, ``(S, vocab)``.
+  """
   a: jax.Array
   g: jax.Array
 
 
+def _gram(rows: jax.Array) -> jax.Array:
+  """``(S, R, d) -> (S, d, d)``: Σ_rows r rᵀ per stack slice, float32."""
+  rows = rows.astype(jnp.float32)
+  return jnp.einsum("sri,srj->sij", rows, rows, precision=_HIGHEST)
+
+
+def _output_factor(layout, output_grads, num_terms):
+  """G = (1/L) Σ_k Σ_rows g gᵀ over every call of the layer."""
+  return sum(_gram(layout.output_rows(g)) for g in output_grads) / num_terms
+
+
 @dataclasses.dataclass(frozen=True)
 class KroneckerBlock:
-  """A dense layer ``s = a W + b``: Fisher block ``≈ A ⊗ G``.
+  """A layer ``s = a W + b`` (per stack slice): Fisher block ``≈ A ⊗ G``.
 
   .. math::
     \\bar a = [a, 1],\\quad A = \\frac{1}{R}\\sum_{rows} \\bar a \\bar a^T,\\quad
     G = \\frac{1}{L}\\sum_k \\sum_{rows} g_k g_k^T
 
-  with ``R`` the number of rows. The gradient ``V = [∇W; ∇b]`` of shape
-  ``(d_in + 1, d_out)`` is preconditioned as
-  ``U = (A + π√λ I)⁻¹ V (G + √λ/π I)⁻¹``.
+  with ``R`` the number of rows (positions × calls × examples). The gradient
+  ``V = [∇W; ∇b]`` of shape ``(in_dim + 1, out_dim)`` is preconditioned as
+  ``U = (A + π√λ I)⁻¹ V (G + √λ/π I)⁻¹``, independently per stack slice.
 
   Attributes:
-    in_dim: ``d_in``, the kernel's first axis.
-    out_dim: ``d_out``, the kernel's second axis.
+    layout: maps the layer's arrays to rows and matrices (see `layouts`).
     has_bias: whether the layer has a bias (adds the homogeneous coordinate).
   """
 
-  in_dim: int
-  out_dim: int
+  layout: Any
   has_bias: bool
-
-  @classmethod
-  def for_dense(cls, layer_params: dict) -> "KroneckerBlock":
-    in_dim, out_dim = layer_params["kernel"].shape
-    return cls(in_dim, out_dim, "bias" in layer_params)
 
   @property
   def param_names(self) -> tuple[str, ...]:
@@ -62,9 +72,12 @@ class KroneckerBlock:
 
   def init(self) -> tuple[KroneckerFactors, KroneckerFactors]:
     """Zero statistics and identity "inverses" (used until the first refresh)."""
-    size = self.in_dim + self.has_bias
-    zeros = KroneckerFactors(jnp.zeros((size, size)), jnp.zeros((self.out_dim,) * 2))
-    identities = KroneckerFactors(jnp.eye(size), jnp.eye(self.out_dim))
+    stacks, size = self.layout.num_stacks, self.layout.in_dim + self.has_bias
+    out = self.layout.out_dim
+    zeros = KroneckerFactors(jnp.zeros((stacks, size, size)),
+                             jnp.zeros((stacks, out, out)))
+    identities = KroneckerFactors(jnp.tile(jnp.eye(size), (stacks, 1, 1)),
+                                  jnp.tile(jnp.eye(out), (stacks, 1, 1)))
     return zeros, identities
 
   def statistics(
@@ -76,36 +89,82 @@ class KroneckerBlock:
     """Batch estimates of ``A`` and ``G`` from every call of the layer.
 
     Args:
-      inputs: per call, the layer input ``(..., d_in)``.
-      output_grads: per call, ``(K, ..., d_out)`` gradients of the summed NLL.
+      inputs: per call, the layer input.
+      output_grads: per call, ``(K, *output_shape)`` gradients of the summed
+        NLL with respect to the layer output.
       num_terms: L.
     """
-    rows = jnp.concatenate(
-        [x.reshape(-1, self.in_dim).astype(jnp.float32) for x in inputs])
-    if self.has_bias:
-      rows = jnp.concatenate([rows, jnp.ones((rows.shape[0], 1), rows.dtype)], 1)
-    grads = jnp.concatenate(
-        [g.reshape(-1, self.out_dim).astype(jnp.float32) for g in output_grads])
-    a = jnp.matmul(rows.T, rows, precision=_HIGHEST) / rows.shape[0]
-    g = jnp.matmul(grads.T, grads, precision=_HIGHEST) / num_terms
-    return KroneckerFactors(a, g)
+    a, num_rows = 0.0, 0
+    for x in inputs:
+      rows = self.layout.input_rows(x)
+      if self.has_bias:
+        rows = jnp.concatenate([rows, jnp.ones((*rows.shape[:2], 1), rows.dtype)], 2)
+      a, num_rows = a + _gram(rows), num_rows + rows.shape[1]
+    return KroneckerFactors(a / num_rows,
+                            _output_factor(self.layout, output_grads, num_terms))
 
   def inverses(self, factors: KroneckerFactors, damping: jax.Array,
                method: str) -> KroneckerFactors:
-    damping_a, damping_g = linalg.pi_adjusted_damping(factors.a, factors.g, damping)
-    return KroneckerFactors(linalg.damped_inverse(factors.a, damping_a, method),
-                            linalg.damped_inverse(factors.g, damping_g, method))
+    def one_slice(a, g):
+      damping_a, damping_g = linalg.pi_adjusted_damping(
+          linalg.mean_eigenvalue(a), linalg.mean_eigenvalue(g), damping)
+      return KroneckerFactors(linalg.damped_inverse(a, damping_a, method),
+                              linalg.damped_inverse(g, damping_g, method))
+    return jax.vmap(one_slice)(factors.a, factors.g)
 
   def precondition(self, inverses: KroneckerFactors, grads: dict) -> dict:
     """Maps ``{"kernel": ∇W[, "bias": ∇b]}`` to its preconditioned leaves."""
-    stacked = grads["kernel"].astype(jnp.float32)
+    layout = self.layout
+    stacked = layout.kernel_matrix(grads["kernel"].astype(jnp.float32))
     if self.has_bias:
-      stacked = jnp.concatenate([stacked, grads["bias"][None].astype(jnp.float32)])
+      bias = layout.bias_matrix(grads["bias"].astype(jnp.float32))
+      stacked = jnp.concatenate([stacked, bias[:, None]], 1)
     result = inverses.a @ stacked @ inverses.g
-    out = {"kernel": result[:self.in_dim].astype(grads["kernel"].dtype)}
+    out = {"kernel": layout.kernel_from_matrix(result[:, :layout.in_dim])
+                     .astype(grads["kernel"].dtype)}
     if self.has_bias:
-      out["bias"] = result[self.in_dim].astype(grads["bias"].dtype)
+      out["bias"] = layout.bias_from_matrix(result[:, layout.in_dim]).astype(
+          grads["bias"].dtype)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingBlock:
+  """An embedding lookup: ``A`` is diagonal (token frequencies), ``G`` full.
+
+  .. math::
+    A = \\operatorname{diag}(c / R),\\quad
+    U = (A + π\\sqrt{λ} I)^{-1} V (G + \\sqrt{λ}/π I)^{-1}
+
+  with ``c`` the count of each token id over all ``R`` looked-up positions,
+  stored as a vector, so no vocab × vocab matrix ever exists.
+  """
+
+  layout: layouts.EmbeddingLayout
+  param_names = ("embedding",)
+
+  def init(self) -> tuple[KroneckerFactors, KroneckerFactors]:
+    vocab, out = self.layout.vocab, self.layout.out_dim
+    zeros = KroneckerFactors(jnp.zeros((1, vocab)), jnp.zeros((1, out, out)))
+    return zeros, KroneckerFactors(jnp.ones((1, vocab)), jnp.eye(out)[None])
+
+  def statistics(self, inputs, output_grads, num_terms) -> KroneckerFactors:
+    ids = jnp.concatenate([jnp.ravel(x) for x in inputs])
+    counts = jnp.zeros((self.layout.vocab,), jnp.float32).at[ids].add(1.0)
+    return KroneckerFactors((counts / ids.size)[None],
+                            _output_factor(self.layout, output_grads, num_terms))
+
+  def inverses(self, factors, damping, method) -> KroneckerFactors:
+    a, g = factors.a[0], factors.g[0]
+    damping_a, damping_g = linalg.pi_adjusted_damping(
+        jnp.mean(a), linalg.mean_eigenvalue(g), damping)
+    return KroneckerFactors((1.0 / (a + damping_a))[None],
+                            linalg.damped_inverse(g, damping_g, method)[None])
+
+  def precondition(self, inverses, grads) -> dict:
+    v = grads["embedding"]
+    u = inverses.a[0][:, None] * v.astype(jnp.float32) @ inverses.g[0]
+    return {"embedding": u.astype(v.dtype)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,4 +209,10 @@ class DiagonalBlock:
     return {k: (grads[k] * inverses[k]).astype(grads[k].dtype) for k in self.names}
 
 
-BLOCK_KINDS = {"dense": KroneckerBlock.for_dense}
+
+
+def block_for(layout: Any, layer_params: dict) -> Any:
+  """The curvature block of a captured layer, from its layout and params."""
+  if isinstance(layout, layouts.EmbeddingLayout):
+    return EmbeddingBlock(layout)
+  return KroneckerBlock(layout, "bias" in layer_params)

@@ -31,36 +31,43 @@ Path = tuple[str, ...]
 
 
 class _Interceptor:
-  """Hooks every captured layer call; optionally records its kind by path."""
+  """Hooks every captured layer call; optionally records layouts by path."""
 
-  def __init__(self, kinds: dict[Path, str] | None = None):
-    self.kinds = kinds
+  def __init__(self, found_layouts: dict[Path, Any] | None = None):
+    self.layouts = found_layouts
 
   def __call__(self, next_fun, args, kwargs, context):
     module = context.module
     kind = layers.kind_of(module)
     if kind is None or context.method_name != "__call__":
       return next_fun(*args, **kwargs)
-    if self.kinds is not None:
-      self.kinds[tuple(module.path)] = kind
     layer_input = args[0] if args else next(iter(kwargs.values()))
     previous_calls = module.get_variable(INPUTS, _INPUT_NAME, ())
     module.sow(INPUTS, _INPUT_NAME, layer_input)
     output = next_fun(*args, **kwargs)
+    if self.layouts is not None:
+      self._record(tuple(module.path), kind(module, layer_input, output))
     return module.perturb(
         f"{_OUTPUT_PREFIX}{len(previous_calls)}", output, collection=PERTURBATIONS)
+
+  def _record(self, path: Path, layout: Any) -> None:
+    if self.layouts.setdefault(path, layout) != layout:
+      raise ValueError(
+          f"the layer at {'/'.join(path)!r} is called with inputs that need "
+          f"different curvature layouts ({self.layouts[path]} and {layout}); "
+          "K-FAC keeps one block per module")
 
 
 class Discovered(NamedTuple):
   """What one abstract trace of the model finds.
 
   Attributes:
-    kinds: module path -> block kind, for every captured layer.
+    layouts: module path -> layout (see `layouts`), for every captured layer.
     num_calls: module path -> how many times the layer was called.
     perturbations: abstract (ShapeDtypeStruct) ``kfac_perturbations``
       collection, to be filled with zeros for `capture`.
   """
-  kinds: dict[Path, str]
+  layouts: dict[Path, Any]
   num_calls: dict[Path, int]
   perturbations: Any
 
@@ -99,14 +106,14 @@ def discover(
     mutable: collections the model may write besides K-FAC's own; True makes
       every collection mutable, so missing ones (e.g. batch_stats) get created.
   """
-  kinds: dict[Path, str] = {}
+  found: dict[Path, Any] = {}
   if not isinstance(mutable, bool):
     mutable = [*mutable, INPUTS, PERTURBATIONS]
-  run = hooked_apply(apply_fn, args, apply_kwargs, mutable, _Interceptor(kinds))
+  run = hooked_apply(apply_fn, args, apply_kwargs, mutable, _Interceptor(found))
   _, collections = jax.eval_shape(run, variables)
   inputs = by_layer(collections.get(INPUTS, {}))
   return Discovered(
-      kinds=kinds,
+      layouts=found,
       num_calls={path: len(calls) for path, calls in inputs.items()},
       perturbations=collections.get(PERTURBATIONS, {}))
 

@@ -7,7 +7,7 @@ INVERSE_METHODS = ("eigh", "cholesky")
 
 
 def pi_adjusted_damping(
-    a: jax.Array, g: jax.Array, damping: jax.Array
+    mean_a: jax.Array, mean_g: jax.Array, damping: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
   """Splits Tikhonov damping λ between two Kronecker factors.
 
@@ -17,22 +17,25 @@ def pi_adjusted_damping(
 
   so that the damping added to each factor is proportional to its average
   eigenvalue (Martens & Grosse 2015, section 6.3). ``π = 1`` when either
-  trace is not positive (e.g. a layer whose statistics are still zero).
+  average is not positive (e.g. a layer whose statistics are still zero).
 
   Args:
-    a: input factor, shape (m, m).
-    g: output-gradient factor, shape (n, n).
+    mean_a: ``tr(A) / dim A``, the input factor's average eigenvalue.
+    mean_g: ``tr(G) / dim G``.
     damping: λ, a scalar.
 
   Returns:
-    ``(π√λ, √λ/π)``: the damping for ``a`` and for ``g``.
+    ``(π√λ, √λ/π)``: the damping for ``A`` and for ``G``.
   """
-  mean_a = jnp.trace(a) / a.shape[0]
-  mean_g = jnp.trace(g) / g.shape[0]
   usable = (mean_a > 0) & (mean_g > 0)
   pi = jnp.where(usable, jnp.sqrt(mean_a / jnp.where(usable, mean_g, 1.0)), 1.0)
   root = jnp.sqrt(damping)
   return pi * root, root / pi
+
+
+def mean_eigenvalue(matrix: jax.Array) -> jax.Array:
+  """``tr(M) / dim M``."""
+  return jnp.trace(matrix) / matrix.shape[0]
 
 
 def damped_inverse(matrix: jax.Array, damping: jax.Array, method: str) -> jax.Array:

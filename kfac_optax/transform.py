@@ -206,10 +206,10 @@ def scale_by_kfac(
           "(e.g. batch_stats) in update(..., variables=...).") from error
     flat_params, _ = _flatten(params)
     layers, owned = {}, set()
-    for path, kind in discovered.kinds.items():
+    for path, layout in discovered.layouts.items():
       layer_params = {key[-1]: leaf for key, leaf in flat_params.items()
                       if key[:-1] == path}
-      block = blocks.BLOCK_KINDS[kind](layer_params)
+      block = blocks.block_for(layout, layer_params)
       layers[_key(path)] = (path, block)
       owned.update(path + (name,) for name in block.param_names)
     fallback_paths = {_key(k): k for k in flat_params if k not in owned}

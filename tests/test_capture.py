@@ -14,6 +14,7 @@ import pytest
 
 import kfac_optax
 from kfac_optax import capture
+from kfac_optax import layouts
 from tests import brute_force as bf
 
 
@@ -88,8 +89,9 @@ def reference_factors(params, batch):
 def test_discovery_finds_nested_setup_and_shared_layers_by_path():
   params, batch = problem()
   found = capture.discover(SequenceNet().apply, {"params": params}, (batch[0],), {})
-  assert found.kinds == {("inner", "proj"): "dense", ("shared",): "dense",
-                         ("head",): "dense"}
+  assert found.layouts == {("inner", "proj"): layouts.dense(2, 3),
+                           ("shared",): layouts.dense(3, 3),
+                           ("head",): layouts.dense(3, 4)}
   assert found.num_calls == {("inner", "proj"): 1, ("shared",): 2, ("head",): 1}
 
 

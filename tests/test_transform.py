@@ -89,7 +89,7 @@ def test_inverse_update_period_keeps_inverses_between_refreshes():
     assert not np.allclose(later.factors["out"].g, history[0].factors["out"].g)
   refreshed = history[3]  # count 3: recomputed from the statistics of then
   for name in bf.LAYERS:
-    a, g = (np.asarray(f, np.float64) for f in refreshed.factors[name])
+    a, g = (np.asarray(f[0], np.float64) for f in refreshed.factors[name])
     da, dg = bf.pi_damping(a, g, DAMPING)
     expected_a = np.linalg.inv(a + da * np.eye(len(a)))
     expected_g = np.linalg.inv(g + dg * np.eye(len(g)))

@@ -1,0 +1,200 @@
+"""Layouts: how a layer's arrays map onto the rows of a Kronecker block.
+
+A Kronecker block sees a layer as ``S`` independent matrix multiplications
+``s = a W`` stacked along a leading axis (``S = 1`` for a plain dense layer;
+the groups of a grouped convolution; the batch slices of a ``DenseGeneral``
+with ``batch_dims``). A layout turns
+
+- the layer input into rows ``ā`` of shape ``(S, R, in_dim)``,
+- output gradients (leading cotangent axis K) into rows ``(S, K·R, out_dim)``,
+- the kernel into ``(S, in_dim, out_dim)`` and the bias into ``(S, out_dim)``,
+
+and back. Layouts are plain frozen dataclasses of ints and tuples (hashable,
+no flax), built from a module's configuration in `layers.py`.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+def _size(shape) -> int:
+  return int(math.prod(shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseLayout:
+  """``y = x · kernel`` contracting ``input_axes`` of x (Dense, DenseGeneral).
+
+  The kernel has shape ``(*batch_shape, *in_features, *out_features)``; the
+  output ``(*batch_shape, *other x axes, *out_features)``. Every position of
+  the other axes is a row; each batch index is its own stack slice.
+
+  Attributes:
+    input_axes: the contracted axes of x, counted from the end (negative),
+      in kernel order, so one layout serves inputs of any rank.
+    batch_axes: the axes of x that index the kernel's batch slices
+      (non-negative: flax's batch_dims are leading axes).
+    in_features: shape of the contracted axes.
+    out_features: shape of the output feature axes (the last axes of y).
+    batch_shape: shape of the batch axes (``()`` for none).
+  """
+
+  input_axes: tuple[int, ...]
+  batch_axes: tuple[int, ...]
+  in_features: tuple[int, ...]
+  out_features: tuple[int, ...]
+  batch_shape: tuple[int, ...] = ()
+
+  @property
+  def num_stacks(self) -> int:
+    return _size(self.batch_shape)
+
+  @property
+  def in_dim(self) -> int:
+    return _size(self.in_features)
+
+  @property
+  def out_dim(self) -> int:
+    return _size(self.out_features)
+
+  def input_rows(self, x: jax.Array) -> jax.Array:
+    contracted = [a % x.ndim for a in self.input_axes]
+    others = [a for a in range(x.ndim)
+              if a not in contracted and a not in self.batch_axes]
+    x = jnp.transpose(x, (*self.batch_axes, *others, *contracted))
+    return x.reshape(self.num_stacks, -1, self.in_dim)
+
+  def output_rows(self, g: jax.Array) -> jax.Array:
+    """``g``: ``(K, *batch_shape, ..., *out_features)``."""
+    g = jnp.moveaxis(g, 0, len(self.batch_shape))
+    return g.reshape(self.num_stacks, -1, self.out_dim)
+
+  def kernel_matrix(self, kernel: jax.Array) -> jax.Array:
+    return kernel.reshape(self.num_stacks, self.in_dim, self.out_dim)
+
+  def kernel_from_matrix(self, matrix: jax.Array) -> jax.Array:
+    return matrix.reshape(*self.batch_shape, *self.in_features, *self.out_features)
+
+  def bias_matrix(self, bias: jax.Array) -> jax.Array:
+    return bias.reshape(self.num_stacks, self.out_dim)
+
+  def bias_from_matrix(self, matrix: jax.Array) -> jax.Array:
+    return matrix.reshape(*self.batch_shape, *self.out_features)
+
+
+def dense(in_dim: int, out_dim: int) -> DenseLayout:
+  """The layout of ``nn.Dense``: contract the last axis."""
+  return DenseLayout((-1,), (), (in_dim,), (out_dim,))
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvLayout:
+  """An N-d convolution, channels last (KFC, Grosse & Martens 2016).
+
+  Rows are the im2col patches of every output location (padding included),
+  flattened in the kernel's own order ``(*kernel_size, c_in / groups)``, so
+  ``patches @ kernel.reshape(-1, c_out)`` is the convolution. Each of the
+  ``feature_group_count`` groups is one stack slice.
+
+  Attributes:
+    kernel_size: spatial kernel shape.
+    strides, input_dilation, kernel_dilation: per spatial axis.
+    padding: ``"SAME"``, ``"VALID"`` or explicit ``((lo, hi), ...)``.
+    pre_padding: ``"wrap"``, ``"reflect"`` or ``"causal"``: flax pads the
+      input this way, then convolves with VALID (CIRCULAR, REFLECT, CAUSAL).
+    in_channels, out_channels: total channel counts.
+    groups: ``feature_group_count``.
+  """
+
+  kernel_size: tuple[int, ...]
+  strides: tuple[int, ...]
+  input_dilation: tuple[int, ...]
+  kernel_dilation: tuple[int, ...]
+  padding: str | tuple[tuple[int, int], ...]
+  pre_padding: str | None
+  in_channels: int
+  out_channels: int
+  groups: int = 1
+
+  @property
+  def num_stacks(self) -> int:
+    return self.groups
+
+  @property
+  def in_dim(self) -> int:
+    return _size(self.kernel_size) * self.in_channels // self.groups
+
+  @property
+  def out_dim(self) -> int:
+    return self.out_channels // self.groups
+
+  def _padded(self, x: jax.Array) -> jax.Array:
+    dilated = [(k - 1) * d + 1 for k, d in zip(self.kernel_size, self.kernel_dilation)]
+    if self.pre_padding == "causal":
+      pads = [(dilated[0] - 1, 0)]
+    else:
+      pads = [((k - 1) // 2, k // 2) for k in dilated]
+    mode = {"causal": "constant"}.get(self.pre_padding, self.pre_padding)
+    return jnp.pad(x, [(0, 0), *pads, (0, 0)], mode=mode)
+
+  def input_rows(self, x: jax.Array) -> jax.Array:
+    rank = len(self.kernel_size)
+    x = x.reshape(-1, *x.shape[-rank - 1:])  # flax merges leading batch axes
+    if self.pre_padding is not None:
+      x = self._padded(x)
+    spatial = "DHW"[-rank:] if rank <= 3 else None
+    if spatial is None:
+      raise NotImplementedError("convolutions of more than 3 spatial dims")
+    patches = jax.lax.conv_general_dilated_patches(
+        x, self.kernel_size, self.strides,
+        "VALID" if self.pre_padding is not None else self.padding,
+        lhs_dilation=self.input_dilation, rhs_dilation=self.kernel_dilation,
+        dimension_numbers=(f"N{spatial}C", f"{spatial}IO", f"N{spatial}C"))
+    # lax orders patch features (c_in, *kernel_size); the kernel is
+    # (*kernel_size, c_in / groups, c_out): reorder and split the groups.
+    taps = _size(self.kernel_size)
+    patches = patches.reshape(-1, self.groups, self.in_channels // self.groups, taps)
+    patches = jnp.transpose(patches, (1, 0, 3, 2))
+    return patches.reshape(self.groups, -1, self.in_dim)
+
+  def output_rows(self, g: jax.Array) -> jax.Array:
+    g = g.reshape(-1, self.groups, self.out_dim)
+    return jnp.swapaxes(g, 0, 1)
+
+  def kernel_matrix(self, kernel: jax.Array) -> jax.Array:
+    kernel = kernel.reshape(self.in_dim, self.groups, self.out_dim)
+    return jnp.swapaxes(kernel, 0, 1)
+
+  def kernel_from_matrix(self, matrix: jax.Array) -> jax.Array:
+    kernel = jnp.swapaxes(matrix, 0, 1)
+    return kernel.reshape(*self.kernel_size, self.in_channels // self.groups,
+                          self.out_channels)
+
+  def bias_matrix(self, bias: jax.Array) -> jax.Array:
+    return bias.reshape(self.groups, self.out_dim)
+
+  def bias_from_matrix(self, matrix: jax.Array) -> jax.Array:
+    return matrix.reshape(self.out_channels)
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingLayout:
+  """``nn.Embed``: rows are one-hot token vectors; never materialised.
+
+  Attributes:
+    vocab: number of embeddings.
+    features: embedding width.
+  """
+  vocab: int
+  features: int
+  num_stacks = 1
+
+  @property
+  def out_dim(self) -> int:
+    return self.features
+
+  def output_rows(self, g: jax.Array) -> jax.Array:
+    return g.reshape(1, -1, self.features)
