@@ -211,8 +211,43 @@ class DiagonalBlock:
 
 
 
+@dataclasses.dataclass(frozen=True)
+class NormBlock(DiagonalBlock):
+  """Scale and bias of a normalisation layer: diagonal Fisher, exact.
+
+  .. math::
+    F = \\frac{1}{L} \\sum_k \\sum_n (∇θ_{n,k})^2,\\quad U = ∇ / (F + λ)
+
+  with the per-example gradients ``∇scale_n = Σ_positions g ⊙ x̂`` and
+  ``∇bias_n = Σ_positions g`` formed from the captured normalised input.
+
+  Attributes:
+    layout: where the feature axes are (`layouts.NormLayout`).
+  """
+
+  layout: Any = None
+
+  @property
+  def param_names(self) -> tuple[str, ...]:
+    return self.names
+
+  def statistics(self, inputs, output_grads, num_terms) -> dict:
+    sums = {name: 0.0 for name in self.names}
+    for x_hat, g in zip(inputs, output_grads):
+      x_hat = self.layout.per_example(x_hat.astype(jnp.float32))  # (N, P, F)
+      g = jax.vmap(self.layout.per_example)(g.astype(jnp.float32))  # (K, N, P, F)
+      per_example = {"scale": jnp.einsum("knpf,npf->knf", g, x_hat),
+                     "bias": jnp.sum(g, 2)}
+      for name in self.names:
+        sums[name] = sums[name] + per_example[name]
+    return {name: jnp.sum(jnp.square(sums[name]), (0, 1)).reshape(
+        self.shapes[name]) / num_terms for name in self.names}
+
+
 def block_for(layout: Any, layer_params: dict) -> Any:
   """The curvature block of a captured layer, from its layout and params."""
   if isinstance(layout, layouts.EmbeddingLayout):
     return EmbeddingBlock(layout)
+  if isinstance(layout, layouts.NormLayout):
+    return NormBlock({k: v.shape for k, v in layer_params.items()}, layout)
   return KroneckerBlock(layout, "bias" in layer_params)

@@ -35,18 +35,23 @@ class _Interceptor:
 
   def __init__(self, found_layouts: dict[Path, Any] | None = None):
     self.layouts = found_layouts
+    self.busy = False  # a kind's own helper calls are not layer calls
 
   def __call__(self, next_fun, args, kwargs, context):
     module = context.module
     kind = layers.kind_of(module)
-    if kind is None or context.method_name != "__call__":
+    if self.busy or kind is None or context.method_name != "__call__":
       return next_fun(*args, **kwargs)
-    layer_input = args[0] if args else next(iter(kwargs.values()))
     previous_calls = module.get_variable(INPUTS, _INPUT_NAME, ())
-    module.sow(INPUTS, _INPUT_NAME, layer_input)
     output = next_fun(*args, **kwargs)
+    self.busy = True
+    try:
+      captured = kind.captured_input(module, args, kwargs, output)
+    finally:
+      self.busy = False
+    module.sow(INPUTS, _INPUT_NAME, captured)
     if self.layouts is not None:
-      self._record(tuple(module.path), kind(module, layer_input, output))
+      self._record(tuple(module.path), kind.layout(module, captured, output))
     return module.perturb(
         f"{_OUTPUT_PREFIX}{len(previous_calls)}", output, collection=PERTURBATIONS)
 

@@ -1,11 +1,13 @@
 """Registry: which flax modules K-FAC captures, and their block layouts.
 
-A layer kind is a function ``(module, layer_input, layer_output) -> layout``
-that reads the module's configuration while the model is traced (see
-`layouts` for what a layout is). Kinds are looked up along the module's MRO,
-so subclasses of a registered class are captured too.
+A layer kind reads a module's configuration while the model is traced and
+returns its layout (see `layouts`); it also says what to capture as the
+layer's input (the input itself, or for normalisation layers the normalised
+``x̂``). Kinds are looked up along the module's MRO, so subclasses of a
+registered class are captured too.
 """
 
+import dataclasses
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -13,7 +15,23 @@ from flax.linen import linear
 
 from kfac_optax import layouts
 
-Kind = Callable[[nn.Module, Any, Any], Any]
+
+def _first_argument(module, args, kwargs, output):
+  del module, output
+  return args[0] if args else next(iter(kwargs.values()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+  """How to capture one kind of layer.
+
+  Attributes:
+    layout: ``(module, layer_input, layer_output) -> layout``.
+    captured_input: ``(module, args, kwargs, output) -> array`` to record as
+      the layer's input (default: the first argument).
+  """
+  layout: Callable[[nn.Module, Any, Any], Any]
+  captured_input: Callable[..., Any] = _first_argument
 
 
 def _as_tuple(value) -> tuple:
@@ -68,22 +86,48 @@ def _embed(module, x, y):
   return layouts.EmbeddingLayout(module.num_embeddings, module.features)
 
 
+def _norm(module, x, y):
+  del y
+  axes = getattr(module, "feature_axes", getattr(module, "axis", -1))
+  return layouts.NormLayout(tuple(sorted(a % x.ndim - x.ndim for a in _as_tuple(axes))))
+
+
+def _normalized_input(module, args, kwargs, output):
+  """x̂: the same module with its affine part switched off, on the same input.
+
+  Runs after the layer itself, so collections it creates (BatchNorm's
+  batch_stats) exist; in training mode BatchNorm normalises with batch
+  statistics, which the running-average update does not change.
+  """
+  del output
+  affine = {name: False for name in ("use_scale", "use_bias") if hasattr(module, name)}
+  plain = module.clone(parent=None, **affine)
+  others = {k: v for k, v in module.variables.items() if k != "params"}
+  normalized, _ = plain.apply(others, *args, mutable=True, **kwargs)
+  return normalized
+
+
 KINDS: dict[str, Kind] = {
-    "dense": _dense,
-    "dense_general": _dense_general,
-    "conv": _conv,
-    "embed": _embed,
+    "dense": Kind(_dense),
+    "dense_general": Kind(_dense_general),
+    "conv": Kind(_conv),
+    "embed": Kind(_embed),
+    "norm": Kind(_norm, _normalized_input),
 }
 
 _REGISTRY: dict[type, Kind] = {
-    nn.Dense: _dense,
-    nn.DenseGeneral: _dense_general,
-    nn.Conv: _conv,
-    nn.Embed: _embed,
+    nn.Dense: KINDS["dense"],
+    nn.DenseGeneral: KINDS["dense_general"],
+    nn.Conv: KINDS["conv"],
+    nn.Embed: KINDS["embed"],
+    nn.LayerNorm: KINDS["norm"],
+    nn.RMSNorm: KINDS["norm"],
+    nn.GroupNorm: KINDS["norm"],
+    nn.BatchNorm: KINDS["norm"],
 }
 
 
-def register_layer(module_class: type, kind: str | Kind) -> None:
+def register_layer(module_class: type, kind: "str | Kind") -> None:
   """Captures every instance of ``module_class`` as a curvature block.
 
   Args:

@@ -198,3 +198,26 @@ class EmbeddingLayout:
 
   def output_rows(self, g: jax.Array) -> jax.Array:
     return g.reshape(1, -1, self.features)
+
+
+@dataclasses.dataclass(frozen=True)
+class NormLayout:
+  """A normalisation ``y = x̂ · scale + bias``, scale and bias per feature.
+
+  The captured input is the normalised ``x̂`` itself (see `layers`), so the
+  per-example gradients are exact: ``∇scale_n = Σ_positions g ⊙ x̂`` and
+  ``∇bias_n = Σ_positions g``, summed over every axis of example ``n`` (axis
+  0) other than the feature axes.
+
+  Attributes:
+    feature_axes: the axes of x that scale and bias span, negative, sorted.
+  """
+
+  feature_axes: tuple[int, ...]
+
+  def per_example(self, x: jax.Array) -> jax.Array:
+    """``(N, ..., features...) -> (N, positions, prod(features))``."""
+    features = [a % x.ndim for a in self.feature_axes]
+    others = [a for a in range(1, x.ndim) if a not in features]
+    x = jnp.transpose(x, (0, *others, *features))
+    return x.reshape(x.shape[0], -1, _size(x.shape[x.ndim - len(features):]))
