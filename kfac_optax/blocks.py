@@ -244,8 +244,60 @@ class NormBlock(DiagonalBlock):
         self.shapes[name]) / num_terms for name in self.names}
 
 
-def block_for(layout: Any, layer_params: dict) -> Any:
-  """The curvature block of a captured layer, from its layout and params."""
+@dataclasses.dataclass(frozen=True)
+class StackedBlock:
+  """One independent block per slice of a leading layer axis.
+
+  For a layer under ``nn.scan`` (or ``nn.vmap`` over params): its params,
+  captured inputs and output gradients all carry a leading axis of size
+  ``num_layers``, and every slice gets its own ``inner`` block; statistics,
+  inverses and preconditioning are vmapped over the slices.
+
+  Attributes:
+    inner: the block of one slice.
+    num_layers: the size of the leading axis.
+  """
+
+  inner: Any
+  num_layers: int
+
+  @property
+  def param_names(self) -> tuple[str, ...]:
+    return self.inner.param_names
+
+  def init(self):
+    return jax.tree.map(lambda x: jnp.repeat(x[None], self.num_layers, 0),
+                        self.inner.init())
+
+  def statistics(self, inputs, output_grads, num_terms):
+    return jax.vmap(lambda i, g: self.inner.statistics(i, g, num_terms),
+                    in_axes=(0, 1))(tuple(inputs), tuple(output_grads))
+
+  def inverses(self, factors, damping, method):
+    return jax.vmap(lambda f: self.inner.inverses(f, damping, method))(factors)
+
+  def precondition(self, inverses, grads):
+    return jax.vmap(self.inner.precondition)(inverses, grads)
+
+
+def block_for(layout: Any, layer_params: dict, stack_shape: tuple = ()) -> Any:
+  """The curvature block of a captured layer, from its layout and params.
+
+  Args:
+    layout: the layer's layout (see `layouts`).
+    layer_params: the layer's param leaves (arrays or shape structs).
+    stack_shape: leading axes that the params, inputs and output gradients
+      share (nn.scan layer stacks); each slice gets its own block.
+  """
+  slice_params = {k: jax.ShapeDtypeStruct(v.shape[len(stack_shape):], v.dtype)
+                  for k, v in layer_params.items()}
+  block = _unstacked_block(layout, slice_params)
+  for size in reversed(stack_shape):
+    block = StackedBlock(block, size)
+  return block
+
+
+def _unstacked_block(layout: Any, layer_params: dict) -> Any:
   if isinstance(layout, layouts.EmbeddingLayout):
     return EmbeddingBlock(layout)
   if isinstance(layout, layouts.NormLayout):

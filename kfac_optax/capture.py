@@ -18,6 +18,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from flax import traverse_util
 
 from kfac_optax import layers
@@ -33,8 +34,10 @@ Path = tuple[str, ...]
 class _Interceptor:
   """Hooks every captured layer call; optionally records layouts by path."""
 
-  def __init__(self, found_layouts: dict[Path, Any] | None = None):
+  def __init__(self, found_layouts: dict[Path, Any] | None = None,
+               output_shapes: dict[Path, tuple[int, ...]] | None = None):
     self.layouts = found_layouts
+    self.output_shapes = output_shapes
     self.busy = False  # a kind's own helper calls are not layer calls
 
   def __call__(self, next_fun, args, kwargs, context):
@@ -52,6 +55,7 @@ class _Interceptor:
     module.sow(INPUTS, _INPUT_NAME, captured)
     if self.layouts is not None:
       self._record(tuple(module.path), kind.layout(module, captured, output))
+      self.output_shapes[tuple(module.path)] = jnp.shape(output)
     return module.perturb(
         f"{_OUTPUT_PREFIX}{len(previous_calls)}", output, collection=PERTURBATIONS)
 
@@ -67,13 +71,20 @@ class Discovered(NamedTuple):
   """What one abstract trace of the model finds.
 
   Attributes:
-    layouts: module path -> layout (see `layouts`), for every captured layer.
-    num_calls: module path -> how many times the layer was called.
+    layouts: module path -> layout (see `layouts`), for every layer call the
+      interceptor saw.
+    num_calls: module path -> how many calls reached the collections. A path
+      in ``layouts`` but not here ran inside a lifted transform (nn.scan,
+      nn.vmap, ...) that did not carry K-FAC's collections.
+    output_shapes: module path -> output shape as the layer itself saw it;
+      the collections' arrays have extra leading axes where a lifted
+      transform stacked them (e.g. the layer axis of nn.scan).
     perturbations: abstract (ShapeDtypeStruct) ``kfac_perturbations``
       collection, to be filled with zeros for `capture`.
   """
   layouts: dict[Path, Any]
   num_calls: dict[Path, int]
+  output_shapes: dict[Path, tuple[int, ...]]
   perturbations: Any
 
 
@@ -111,15 +122,17 @@ def discover(
     mutable: collections the model may write besides K-FAC's own; True makes
       every collection mutable, so missing ones (e.g. batch_stats) get created.
   """
-  found: dict[Path, Any] = {}
+  found, shapes = {}, {}
   if not isinstance(mutable, bool):
     mutable = [*mutable, INPUTS, PERTURBATIONS]
-  run = hooked_apply(apply_fn, args, apply_kwargs, mutable, _Interceptor(found))
+  run = hooked_apply(apply_fn, args, apply_kwargs, mutable,
+                     _Interceptor(found, shapes))
   _, collections = jax.eval_shape(run, variables)
   inputs = by_layer(collections.get(INPUTS, {}))
   return Discovered(
       layouts=found,
       num_calls={path: len(calls) for path, calls in inputs.items()},
+      output_shapes=shapes,
       perturbations=collections.get(PERTURBATIONS, {}))
 
 
@@ -174,3 +187,16 @@ def capture(
   primal_grads, perturbation_grads = jax.vmap(vjp_fn)(cotangents_fn(outputs))
   return Captured(outputs, by_layer(inputs), by_layer(perturbation_grads),
                   primal_grads)
+
+
+def not_threaded_error(path: Path) -> ValueError:
+  """The error for a layer whose calls never reached K-FAC's collections."""
+  name = "/".join(path)
+  return ValueError(
+      f"the layer at {name!r} runs inside a flax lifted transform (nn.scan, "
+      "nn.vmap, nn.map_variables, ...) that does not carry K-FAC's "
+      "collections, so its inputs and output gradients cannot be captured. "
+      f"Add {{{INPUTS!r}: 0, {PERTURBATIONS!r}: 0}} to that transform's "
+      f"variable_axes, e.g. nn.scan(..., variable_axes={{'params': 0, "
+      f"{INPUTS!r}: 0, {PERTURBATIONS!r}: 0}}), or exclude the layer from "
+      "K-FAC's blocks.")

@@ -82,6 +82,19 @@ def _first_element(batch: Any) -> Any:
   return batch[0]
 
 
+def _stack_shape(inside: tuple, outside: tuple, layer_params: dict) -> tuple:
+  """Leading axes a lifted transform added that the layer's params share too.
+
+  ``inside`` is the layer output's shape as the layer saw it, ``outside`` the
+  shape of its collected perturbation. Extra leading axes on both the
+  collections and every param (nn.scan layer stacks) make one block per
+  slice; extra axes the params lack (nn.RNN over time) are just more rows.
+  """
+  extra = outside[:len(outside) - len(inside)]
+  shared = all(jnp.shape(p)[:len(extra)] == extra for p in layer_params.values())
+  return extra if shared else ()
+
+
 def _value_at(hyperparameter: Any, count: jax.Array) -> jax.Array:
   return hyperparameter(count) if callable(hyperparameter) else hyperparameter
 
@@ -205,11 +218,16 @@ def scale_by_kfac(
           "keywords go in apply_kwargs=, and other variable collections "
           "(e.g. batch_stats) in update(..., variables=...).") from error
     flat_params, _ = _flatten(params)
+    perturbations = capture.by_layer(discovered.perturbations)
     layers, owned = {}, set()
     for path, layout in discovered.layouts.items():
+      if path not in discovered.num_calls:
+        raise capture.not_threaded_error(path)
       layer_params = {key[-1]: leaf for key, leaf in flat_params.items()
                       if key[:-1] == path}
-      block = blocks.block_for(layout, layer_params)
+      block = blocks.block_for(layout, layer_params, _stack_shape(
+          discovered.output_shapes[path], perturbations[path][0].shape,
+          layer_params))
       layers[_key(path)] = (path, block)
       owned.update(path + (name,) for name in block.param_names)
     fallback_paths = {_key(k): k for k in flat_params if k not in owned}

@@ -1,0 +1,109 @@
+"""Layers under flax lifted transforms: nn.scan, nn.remat, nn.RNN."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kfac_optax
+from tests import brute_force as bf
+
+LOSS = kfac_optax.losses.softmax_cross_entropy()
+THREADED = {"params": 0, "kfac_inputs": 0, "kfac_perturbations": 0}
+
+
+class Layer(nn.Module):
+
+  @nn.compact
+  def __call__(self, h, _):
+    return jnp.tanh(nn.LayerNorm(name="norm")(nn.Dense(4, name="dense")(h))), None
+
+
+def scanned_net(variable_axes):
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.Dense(4, name="embed")(x)
+      h, _ = nn.scan(Layer, variable_axes=variable_axes,
+                     split_rngs={"params": True}, length=3)(name="stack")(h, None)
+      h = nn.remat(nn.Dense)(4, name="rematted")(h)
+      return nn.Dense(3, name="head")(h)
+  return Net()
+
+
+class Unrolled(nn.Module):
+  """The same network with the three scanned layers written out."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(4, name="embed")(x)
+    for i in range(3):
+      h, _ = Layer(name=f"layer{i}")(h, None)
+    return nn.Dense(3, name="head")(nn.Dense(4, name="rematted")(h))
+
+
+def test_scanned_layer_stack_gets_one_block_per_layer():
+  x = jax.random.normal(jax.random.key(0), (6, 2))
+  y = jnp.arange(6) % 3
+  model = scanned_net(THREADED)
+  params = model.init(jax.random.key(1), x)["params"]
+  unrolled = {**{k: v for k, v in params.items() if k != "stack"},
+              **{f"layer{i}": jax.tree.map(lambda a, i=i: a[i], params["stack"])
+                 for i in range(3)}}
+  grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(2), p.shape), params)
+  unrolled_grads = {**{k: v for k, v in grads.items() if k != "stack"},
+                    **{f"layer{i}": jax.tree.map(lambda a, i=i: a[i], grads["stack"])
+                       for i in range(3)}}
+
+  def run(net, p, g):
+    tx = kfac_optax.scale_by_kfac(net.apply, LOSS, example_batch=(x, y),
+                                  estimation="empirical", damping=1e-2)
+    return jax.jit(lambda s: tx.update(g, s, p, batch=(x, y)))(tx.init(p))
+
+  out, state = run(model, params, grads)
+  expected_out, expected = run(Unrolled(), unrolled, unrolled_grads)
+  assert state.factors["stack/dense"].a.shape == (3, 1, 5, 5)
+  for i in range(3):
+    for block in ("dense", "norm"):
+      actual = jax.tree.map(lambda a, i=i: a[i], state.factors[f"stack/{block}"])
+      assert bf.relative_error(actual, expected.factors[f"layer{i}/{block}"]) < 1e-5
+    actual_out = jax.tree.map(lambda a, i=i: a[i], out["stack"])
+    assert bf.relative_error(actual_out, expected_out[f"layer{i}"]) < 1e-4
+  assert bf.relative_error(state.factors["rematted"], expected.factors["rematted"]) < 1e-5
+  assert "<diagonal>" not in state.factors
+
+
+def test_scan_without_kfac_collections_names_the_fix():
+  x = jax.random.normal(jax.random.key(0), (6, 2))
+  y = jnp.arange(6) % 3
+  model = scanned_net({"params": 0})
+  params = model.init(jax.random.key(1), x)["params"]
+  tx = kfac_optax.scale_by_kfac(model.apply, LOSS, example_batch=(x, y))
+  with pytest.raises(ValueError, match=r"'stack/dense'.*'kfac_inputs': 0, "
+                                       r"'kfac_perturbations': 0"):
+    tx.init(params)
+
+
+def test_rnn_cell_steps_count_as_rows():
+  """nn.RNN broadcasts the cell's params over time: every step is a row."""
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.RNN(nn.SimpleCell(4, name="cell"), name="rnn",
+                 variable_axes={"kfac_inputs": 0, "kfac_perturbations": 0})(x)
+      return nn.Dense(3, name="head")(h[:, -1])
+
+  x = jax.random.normal(jax.random.key(0), (5, 7, 2))  # (batch, time, features)
+  y = jnp.arange(5) % 3
+  model = Net()
+  params = model.init(jax.random.key(1), x)["params"]
+  tx = kfac_optax.scale_by_kfac(model.apply, LOSS, example_batch=(x, y),
+                                estimation="empirical")
+  _, state = tx.update(params, tx.init(params), params, batch=(x, y))
+  assert set(state.factors) == {"cell/i", "cell/h", "head"}
+  # The cell's input projection sees x at every time step: A over 5 x 7 rows.
+  rows = np.asarray(x, np.float64).reshape(-1, 2)
+  rows = np.concatenate([rows, np.ones((35, 1))], 1)
+  np.testing.assert_allclose(state.factors["cell/i"].a[0], rows.T @ rows / 35,
+                             rtol=1e-5)
