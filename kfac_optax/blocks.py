@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from kfac_optax import layouts
 from kfac_optax import linalg
+from kfac_optax import losses
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -35,15 +36,21 @@ class KroneckerFactors(NamedTuple):
   g: jax.Array
 
 
-def _gram(rows: jax.Array) -> jax.Array:
-  """``(S, R, d) -> (S, d, d)``: Σ_rows r rᵀ per stack slice, float32."""
+def _gram(rows: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+  """``(S, R, d) -> (S, d, d)``: Σ_rows w r rᵀ per stack slice, float32."""
   rows = rows.astype(jnp.float32)
-  return jnp.einsum("sri,srj->sij", rows, rows, precision=_HIGHEST)
+  weighted = rows if weights is None else rows * weights[:, None]
+  return jnp.einsum("sri,srj->sij", weighted, rows, precision=_HIGHEST)
 
 
-def _output_factor(layout, output_grads, num_terms):
-  """G = (1/L) Σ_k Σ_rows g gᵀ over every call of the layer."""
-  return sum(_gram(layout.output_rows(g)) for g in output_grads) / num_terms
+def _output_factor(layout, output_grads, terms: losses.Terms):
+  """G = (1/L) Σ_k Σ_rows g gᵀ over every (unmasked) row of every call."""
+  total = 0.0
+  for g in output_grads:  # g: (K, *output_shape); rows are K-major
+    rows = layout.output_rows(g)
+    weights = terms.row_weights(g.shape[1:], rows.shape[1] // g.shape[0])
+    total = total + _gram(rows, None if weights is None else jnp.tile(weights, g.shape[0]))
+  return total / terms.count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +91,7 @@ class KroneckerBlock:
       self,
       inputs: Sequence[jax.Array],
       output_grads: Sequence[jax.Array],
-      num_terms: int,
+      terms: losses.Terms,
   ) -> KroneckerFactors:
     """Batch estimates of ``A`` and ``G`` from every call of the layer.
 
@@ -92,16 +99,18 @@ class KroneckerBlock:
       inputs: per call, the layer input.
       output_grads: per call, ``(K, *output_shape)`` gradients of the summed
         NLL with respect to the layer output.
-      num_terms: L.
+      terms: L and the term mask.
     """
     a, num_rows = 0.0, 0
     for x in inputs:
       rows = self.layout.input_rows(x)
       if self.has_bias:
         rows = jnp.concatenate([rows, jnp.ones((*rows.shape[:2], 1), rows.dtype)], 2)
-      a, num_rows = a + _gram(rows), num_rows + rows.shape[1]
+      weights = terms.row_weights(x.shape, rows.shape[1])
+      a = a + _gram(rows, weights)
+      num_rows = num_rows + (rows.shape[1] if weights is None else jnp.sum(weights))
     return KroneckerFactors(a / num_rows,
-                            _output_factor(self.layout, output_grads, num_terms))
+                            _output_factor(self.layout, output_grads, terms))
 
   def inverses(self, factors: KroneckerFactors, damping: jax.Array,
                method: str) -> KroneckerFactors:
@@ -148,11 +157,15 @@ class EmbeddingBlock:
     zeros = KroneckerFactors(jnp.zeros((1, vocab)), jnp.zeros((1, out, out)))
     return zeros, KroneckerFactors(jnp.ones((1, vocab)), jnp.eye(out)[None])
 
-  def statistics(self, inputs, output_grads, num_terms) -> KroneckerFactors:
-    ids = jnp.concatenate([jnp.ravel(x) for x in inputs])
-    counts = jnp.zeros((self.layout.vocab,), jnp.float32).at[ids].add(1.0)
-    return KroneckerFactors((counts / ids.size)[None],
-                            _output_factor(self.layout, output_grads, num_terms))
+  def statistics(self, inputs, output_grads, terms) -> KroneckerFactors:
+    counts, total = jnp.zeros((self.layout.vocab,), jnp.float32), 0.0
+    for ids in inputs:
+      weights = terms.row_weights(ids.shape, ids.size)
+      weights = jnp.ones(ids.size) if weights is None else weights
+      counts = counts.at[jnp.ravel(ids)].add(weights)
+      total = total + jnp.sum(weights)
+    return KroneckerFactors((counts / total)[None],
+                            _output_factor(self.layout, output_grads, terms))
 
   def inverses(self, factors, damping, method) -> KroneckerFactors:
     a, g = factors.a[0], factors.g[0]
@@ -196,9 +209,9 @@ class DiagonalBlock:
     ones = {k: jnp.ones(s, jnp.float32) for k, s in self.shapes.items()}
     return zeros, ones
 
-  def statistics(self, param_grads: dict, num_terms: int) -> dict:
+  def statistics(self, param_grads: dict, terms: losses.Terms) -> dict:
     """``param_grads``: leaf -> ``(K, *leaf_shape)`` summed-NLL gradients."""
-    return {k: jnp.sum(jnp.square(param_grads[k].astype(jnp.float32)), 0) / num_terms
+    return {k: jnp.sum(jnp.square(param_grads[k].astype(jnp.float32)), 0) / terms.count
             for k in self.names}
 
   def inverses(self, fisher: dict, damping: jax.Array, method: str) -> dict:
@@ -231,9 +244,12 @@ class NormBlock(DiagonalBlock):
   def param_names(self) -> tuple[str, ...]:
     return self.names
 
-  def statistics(self, inputs, output_grads, num_terms) -> dict:
+  def statistics(self, inputs, output_grads, terms) -> dict:
     sums = {name: 0.0 for name in self.names}
     for x_hat, g in zip(inputs, output_grads):
+      mask = terms.mask_for(x_hat.shape)
+      if mask is not None:  # masked positions add nothing
+        g = g * mask
       x_hat = self.layout.per_example(x_hat.astype(jnp.float32))  # (N, P, F)
       g = jax.vmap(self.layout.per_example)(g.astype(jnp.float32))  # (K, N, P, F)
       per_example = {"scale": jnp.einsum("knpf,npf->knf", g, x_hat),
@@ -241,7 +257,7 @@ class NormBlock(DiagonalBlock):
       for name in self.names:
         sums[name] = sums[name] + per_example[name]
     return {name: jnp.sum(jnp.square(sums[name]), (0, 1)).reshape(
-        self.shapes[name]) / num_terms for name in self.names}
+        self.shapes[name]) / terms.count for name in self.names}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,8 +285,8 @@ class StackedBlock:
     return jax.tree.map(lambda x: jnp.repeat(x[None], self.num_layers, 0),
                         self.inner.init())
 
-  def statistics(self, inputs, output_grads, num_terms):
-    return jax.vmap(lambda i, g: self.inner.statistics(i, g, num_terms),
+  def statistics(self, inputs, output_grads, terms):
+    return jax.vmap(lambda i, g: self.inner.statistics(i, g, terms),
                     in_axes=(0, 1))(tuple(inputs), tuple(output_grads))
 
   def inverses(self, factors, damping, method):

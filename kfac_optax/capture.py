@@ -198,5 +198,5 @@ def not_threaded_error(path: Path) -> ValueError:
       "collections, so its inputs and output gradients cannot be captured. "
       f"Add {{{INPUTS!r}: 0, {PERTURBATIONS!r}: 0}} to that transform's "
       f"variable_axes, e.g. nn.scan(..., variable_axes={{'params': 0, "
-      f"{INPUTS!r}: 0, {PERTURBATIONS!r}: 0}}), or exclude the layer from "
-      "K-FAC's blocks.")
+      f"{INPUTS!r}: 0, {PERTURBATIONS!r}: 0}}), or give the layer the "
+      f"diagonal block with layer_overrides={{{name!r}: 'diagonal'}}.")

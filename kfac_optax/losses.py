@@ -12,7 +12,7 @@ gradient of the summed NLL with respect to ``f`` (every mode).
 """
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +37,13 @@ class PredictiveLoss:
 
   Attributes:
     targets: batch -> targets of the loss (default: ``batch[1]``).
+    mask: batch -> which terms count (shape ``outputs.shape[:-1]``, e.g. a
+      per-token padding mask), or None for all. Masked terms leave the loss,
+      its gradients and every K-FAC statistic (see `Terms`).
   """
 
   targets: Callable[[Batch], jax.Array] = _second_element
+  mask: Callable[[Batch], jax.Array] | None = None
 
   def nll(self, outputs: jax.Array, targets: jax.Array) -> jax.Array:
     """Per-term negative log-likelihood, shape ``outputs.shape[:-1]``."""
@@ -58,8 +62,19 @@ class PredictiveLoss:
     raise NotImplementedError
 
   def value(self, outputs: jax.Array, batch: Batch) -> jax.Array:
-    """The training loss: the mean NLL over all terms of the batch."""
-    return jnp.mean(self.nll(outputs, self.targets(batch)))
+    """The training loss: the mean NLL over the (unmasked) terms of the batch."""
+    nll = self.nll(outputs, self.targets(batch))
+    if self.mask is None:
+      return jnp.mean(nll)
+    mask = self.mask(batch).astype(nll.dtype)
+    return jnp.sum(nll * mask) / jnp.sum(mask)
+
+  def terms(self, outputs: jax.Array, batch: Batch) -> "Terms":
+    """The loss terms of this batch: how many count, and which."""
+    if self.mask is None:
+      return Terms(outputs.size // outputs.shape[-1])
+    mask = self.mask(batch).astype(jnp.float32)
+    return Terms(jnp.sum(mask), mask)
 
 
 class Categorical(PredictiveLoss):
@@ -125,21 +140,24 @@ class Gaussian(PredictiveLoss):
 
 
 def softmax_cross_entropy(
-    targets: Callable[[Batch], jax.Array] = _second_element) -> Categorical:
+    targets: Callable[[Batch], jax.Array] = _second_element,
+    mask: Callable[[Batch], jax.Array] | None = None) -> Categorical:
   """Softmax cross-entropy with integer labels ``targets(batch)``."""
-  return Categorical(targets)
+  return Categorical(targets, mask)
 
 
 def sigmoid_cross_entropy(
-    targets: Callable[[Batch], jax.Array] = _second_element) -> Bernoulli:
+    targets: Callable[[Batch], jax.Array] = _second_element,
+    mask: Callable[[Batch], jax.Array] | None = None) -> Bernoulli:
   """Sigmoid cross-entropy summed over the last axis; targets in [0, 1]."""
-  return Bernoulli(targets)
+  return Bernoulli(targets, mask)
 
 
 def squared_error(
-    targets: Callable[[Batch], jax.Array] = _second_element) -> Gaussian:
+    targets: Callable[[Batch], jax.Array] = _second_element,
+    mask: Callable[[Batch], jax.Array] | None = None) -> Gaussian:
   """``0.5 ||y - f||²`` summed over the last axis (unit-variance Gaussian)."""
-  return Gaussian(targets)
+  return Gaussian(targets, mask)
 
 
 def _diagonal_embed(x: jax.Array) -> jax.Array:
@@ -147,9 +165,31 @@ def _diagonal_embed(x: jax.Array) -> jax.Array:
   return x[..., :, None] * jnp.eye(x.shape[-1], dtype=x.dtype)
 
 
-def num_terms(outputs: jax.Array) -> int:
-  """L: the number of NLL terms the loss averages over (all leading axes)."""
-  return outputs.size // outputs.shape[-1]
+class Terms(NamedTuple):
+  """The NLL terms of a batch, as every K-FAC statistic counts them.
+
+  Attributes:
+    count: L, the number of (unmasked) terms.
+    mask: float mask over the loss's leading axes, or None. A captured array
+      whose leading axes equal the mask's shape (a layer applied per token
+      of a per-token loss, or any layer under a per-example mask) has its
+      rows weighted by it, so masked positions never enter a statistic.
+  """
+  count: Any
+  mask: jax.Array | None = None
+
+  def mask_for(self, shape: tuple) -> jax.Array | None:
+    """The mask, broadcastable to an array of ``shape`` whose leading axes it
+    matches; None if there is no mask or the axes do not match."""
+    if self.mask is None or tuple(shape[:self.mask.ndim]) != self.mask.shape:
+      return None
+    return self.mask.reshape(self.mask.shape + (1,) * (len(shape) - self.mask.ndim))
+
+  def row_weights(self, shape: tuple, num_rows: int) -> jax.Array | None:
+    """Weights for the ``num_rows`` example-major rows of an array of ``shape``."""
+    if self.mask_for(shape) is None:
+      return None
+    return jnp.repeat(self.mask.reshape(-1), num_rows // self.mask.size)
 
 
 def output_cotangents(
@@ -162,7 +202,8 @@ def output_cotangents(
 ) -> jax.Array:
   """Cotangents on the model output whose backward passes give K-FAC's ``g``.
 
-  Returns an array of shape ``(K, *outputs.shape)``. Back-propagating
+  Returns an array of shape ``(K, *outputs.shape)``, zero at masked terms.
+  Back-propagating
   cotangent ``k`` gives layer output gradients ``g_k``, scaled so that every
   Fisher estimate is the plain sum ``Σ_k g_k g_kᵀ``:
 
@@ -172,6 +213,8 @@ def output_cotangents(
   - ``"exact"``: K = C columns of the output-Fisher square root, so
     ``Σ_k g_k g_kᵀ = Jᵀ F_out J`` exactly.
   """
+  mask = 1.0 if loss.mask is None else loss.mask(batch)[..., None]
+
   def summed_nll_grad(targets):
     return jax.grad(lambda f: jnp.sum(loss.nll(f, targets)))(outputs)
 
@@ -186,4 +229,4 @@ def output_cotangents(
   else:
     raise ValueError(
         f"estimation must be one of {ESTIMATIONS}, got {estimation!r}")
-  return cotangents.astype(outputs.dtype)
+  return (cotangents * mask).astype(outputs.dtype)  # masked terms: no gradient

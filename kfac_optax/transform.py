@@ -5,6 +5,7 @@ output gradients on the batch, fold batch statistics into a debiased EMA,
 refresh damped inverses on schedule, precondition every gradient leaf.
 """
 
+import fnmatch
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -18,6 +19,7 @@ from kfac_optax import losses
 
 Path = tuple[str, ...]
 FALLBACK = "<diagonal>"  # state key of the diagonal fallback block
+_OVERRIDES = ("skip", "diagonal")
 
 
 class ScaleByKFACState(NamedTuple):
@@ -118,6 +120,7 @@ def scale_by_kfac(
     inverse: str = "eigh",
     num_samples: int = 1,
     apply_kwargs: dict[str, Any] | None = None,
+    layer_overrides: dict[str, str] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Preconditions gradients with K-FAC's damped Kronecker-factored Fisher.
 
@@ -158,6 +161,11 @@ def scale_by_kfac(
     num_samples: target draws per example for ``"fisher"``.
     apply_kwargs: constant keyword arguments for ``apply_fn`` (e.g.
       ``{"train": True}``).
+    layer_overrides: ``{path pattern: "skip" | "diagonal"}``, patterns in
+      `fnmatch` syntax over module paths joined by "/" (e.g. ``"encoder/*"``);
+      the first matching pattern wins. ``"skip"`` leaves the layer's
+      gradients unpreconditioned; ``"diagonal"`` gives its params the
+      diagonal block instead of their structured one.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes
@@ -194,6 +202,16 @@ def scale_by_kfac(
         "with optax.inject_hyperparams, list it in static_args")
   get_inputs = inputs or _first_element
   apply_kwargs = dict(apply_kwargs or {})
+  layer_overrides = dict(layer_overrides or {})
+  for pattern, choice in layer_overrides.items():
+    if choice not in _OVERRIDES:
+      raise ValueError(f"layer_overrides[{pattern!r}] must be one of "
+                       f"{_OVERRIDES}, got {choice!r}")
+
+  def override_for(path):
+    name = _key(path)
+    return next((choice for pattern, choice in layer_overrides.items()
+                 if fnmatch.fnmatchcase(name, pattern)), None)
 
   def model_args(batch):
     found = get_inputs(batch)
@@ -221,10 +239,15 @@ def scale_by_kfac(
     perturbations = capture.by_layer(discovered.perturbations)
     layers, owned = {}, set()
     for path, layout in discovered.layouts.items():
-      if path not in discovered.num_calls:
-        raise capture.not_threaded_error(path)
+      override = override_for(path)
       layer_params = {key[-1]: leaf for key, leaf in flat_params.items()
                       if key[:-1] == path}
+      if override == "skip":
+        owned.update(path + (name,) for name in layer_params)
+      if override is not None:
+        continue
+      if path not in discovered.num_calls:
+        raise capture.not_threaded_error(path)
       block = blocks.block_for(layout, layer_params, _stack_shape(
           discovered.output_shapes[path], perturbations[path][0].shape,
           layer_params))
@@ -269,12 +292,12 @@ def scale_by_kfac(
         jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), plan.perturbations),
         lambda outputs: losses.output_cotangents(
             loss, outputs, batch, estimation, sample_key, num_samples))
-    num_terms = losses.num_terms(captured.outputs)
+    terms = loss.terms(captured.outputs, batch)
     stats = {key: block.statistics(captured.inputs[path],
-                                   captured.output_grads[path], num_terms)
+                                   captured.output_grads[path], terms)
              for key, (path, block) in plan.layers.items()}
     if plan.fallback is not None:
-      stats[FALLBACK] = plan.fallback.statistics(captured.primal_grads, num_terms)
+      stats[FALLBACK] = plan.fallback.statistics(captured.primal_grads, terms)
     return stats
 
   def fold_in(factors, stats_count, batch_stats):
@@ -373,6 +396,7 @@ def kfac(
     inverse: str = "eigh",
     num_samples: int = 1,
     apply_kwargs: dict[str, Any] | None = None,
+    layer_overrides: dict[str, str] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC with momentum and a learning rate: the optimizer to drop in.
 
@@ -397,6 +421,7 @@ def kfac(
     inverse: see `scale_by_kfac`.
     num_samples: see `scale_by_kfac`.
     apply_kwargs: see `scale_by_kfac`.
+    layer_overrides: see `scale_by_kfac`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update`` needs
@@ -408,6 +433,7 @@ def kfac(
           damping=damping, ema_decay=ema_decay,
           inverse_update_period=inverse_update_period,
           stats_update_period=stats_update_period, estimation=estimation,
-          inverse=inverse, num_samples=num_samples, apply_kwargs=apply_kwargs),
+          inverse=inverse, num_samples=num_samples, apply_kwargs=apply_kwargs,
+          layer_overrides=layer_overrides),
       optax.inject_hyperparams(optax.trace)(decay=momentum),
       optax.scale_by_learning_rate(learning_rate))

@@ -154,3 +154,22 @@ def test_per_token_loss_counts_every_position_as_a_term():
   a = np.concatenate([np.asarray(x, np.float64).reshape(-1, 2), np.ones((24, 1))], 1)
   assert bf.relative_error(state.factors[""].g, rows.T @ rows / 24) < 1e-5
   assert bf.relative_error(state.factors[""].a, a.T @ a / 24) < 1e-5
+
+
+def test_layer_overrides_skip_and_diagonal():
+  params, batch = problem()
+  grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
+  tx = kfac_optax.scale_by_kfac(
+      SequenceNet().apply, kfac_optax.losses.softmax_cross_entropy(),
+      example_batch=batch, estimation="empirical",
+      layer_overrides={"inner/*": "skip", "sh*": "diagonal"})
+  out, state = tx.update(grads, tx.init(params), params, batch=batch)
+  assert set(state.factors) == {"head", "<diagonal>"}
+  assert set(state.factors["<diagonal>"]) == {"shared/kernel", "shared/bias",
+                                              "temperature"}
+  jax.tree.map(np.testing.assert_array_equal, out["inner"], grads["inner"])
+  assert not np.allclose(out["shared"]["kernel"], grads["shared"]["kernel"])
+  with pytest.raises(ValueError, match="layer_overrides"):
+    kfac_optax.scale_by_kfac(SequenceNet().apply,
+                             kfac_optax.losses.softmax_cross_entropy(),
+                             example_batch=batch, layer_overrides={"head": "off"})

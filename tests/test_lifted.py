@@ -107,3 +107,16 @@ def test_rnn_cell_steps_count_as_rows():
   rows = np.concatenate([rows, np.ones((35, 1))], 1)
   np.testing.assert_allclose(state.factors["cell/i"].a[0], rows.T @ rows / 35,
                              rtol=1e-5)
+
+
+def test_unthreaded_scan_layers_can_take_the_diagonal_block():
+  x = jax.random.normal(jax.random.key(0), (6, 2))
+  y = jnp.arange(6) % 3
+  model = scanned_net({"params": 0})
+  params = model.init(jax.random.key(1), x)["params"]
+  tx = kfac_optax.scale_by_kfac(model.apply, LOSS, example_batch=(x, y),
+                                layer_overrides={"stack/*": "diagonal"})
+  _, state = tx.update(params, tx.init(params), params, batch=(x, y),
+                       rng=jax.random.key(2))
+  assert set(state.factors["<diagonal>"]) == {
+      "stack/dense/kernel", "stack/dense/bias", "stack/norm/scale", "stack/norm/bias"}

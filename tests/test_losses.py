@@ -72,7 +72,7 @@ def test_value_is_mean_of_per_term_nll(make, targets, expected):
   assert loss.nll(OUTPUTS, targets).shape == (2, 3)
   np.testing.assert_allclose(loss.value(OUTPUTS, {"y": targets}),
                              jnp.mean(expected(OUTPUTS, targets)), rtol=1e-6)
-  assert losses.num_terms(OUTPUTS) == 6
+  assert loss.terms(OUTPUTS, {"y": targets}).count == 6
 
 
 def test_default_targets_need_a_tuple_batch():

@@ -1,0 +1,72 @@
+"""Per-token masks from the loss: padding never enters any statistic."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kfac_optax
+from tests import brute_force as bf
+
+
+class TokenNet(nn.Module):
+  """Per-token model: embed -> dense -> layer norm -> per-token logits."""
+  use_norm: bool = True
+
+  @nn.compact
+  def __call__(self, ids):
+    h = jnp.tanh(nn.Dense(5, name="dense")(nn.Embed(11, 4, name="embed")(ids)))
+    if self.use_norm:
+      h = nn.LayerNorm(name="norm")(h)
+    return nn.Dense(7, name="head")(h)
+
+
+def batch(seed, lengths=(5, 2, 4), length=6):
+  ids = jax.random.randint(jax.random.key(seed), (len(lengths), length), 0, 11)
+  targets = jax.random.randint(jax.random.key(seed + 1), ids.shape, 0, 7)
+  mask = jnp.arange(length)[None] < jnp.array(lengths)[:, None]
+  return {"ids": ids, "y": targets, "mask": mask}
+
+
+LOSS = kfac_optax.losses.softmax_cross_entropy(
+    targets=lambda b: b["y"], mask=lambda b: b["mask"])
+
+
+def factors_for(model, params, data, loss=LOSS):
+  tx = kfac_optax.scale_by_kfac(model.apply, loss, example_batch=data,
+                                inputs=lambda b: b["ids"], estimation="empirical")
+  return tx.update(params, tx.init(params), params, batch=data)[1].factors
+
+
+def test_padding_never_enters_the_statistics():
+  model = TokenNet()
+  data = batch(0)
+  params = model.init(jax.random.key(9), data["ids"])["params"]
+  padded = ~data["mask"]
+  changed = {**data, "ids": jnp.where(padded, 10, data["ids"]),
+             "y": jnp.where(padded, 0, data["y"])}
+  original, after = factors_for(model, params, data), factors_for(model, params, changed)
+  for key in original:
+    assert bf.relative_error(after[key], jax.tree.map(np.asarray, original[key])) < 1e-6
+
+
+def test_masked_statistics_equal_those_of_the_unmasked_tokens_alone():
+  model = TokenNet(use_norm=False)
+  data = batch(1)
+  params = model.init(jax.random.key(9), data["ids"])["params"]
+  kept = np.asarray(data["mask"])
+  alone = {"ids": data["ids"][kept][:, None], "y": data["y"][kept][:, None],
+           "mask": jnp.ones((int(kept.sum()), 1), bool)}  # M sequences of one token
+  masked, reference = factors_for(model, params, data), factors_for(model, params, alone)
+  for key in ("embed", "dense", "head"):
+    assert bf.relative_error(masked[key], jax.tree.map(np.asarray, reference[key])) < 1e-5
+
+
+def test_masked_loss_value_and_count():
+  data = batch(2)
+  logits = jax.random.normal(jax.random.key(3), (3, 6, 7))
+  nll = -np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)),
+                            np.asarray(data["y"])[..., None], -1)[..., 0]
+  kept = np.asarray(data["mask"])
+  np.testing.assert_allclose(LOSS.value(logits, data), nll[kept].mean(), rtol=1e-6)
+  assert float(LOSS.terms(logits, data).count) == kept.sum() == 11
