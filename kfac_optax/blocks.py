@@ -101,16 +101,54 @@ class KroneckerBlock:
         NLL with respect to the layer output.
       terms: L and the term mask.
     """
-    a, num_rows = 0.0, 0
+    a, num_rows = 0.0, 0.0
     for x in inputs:
-      rows = self.layout.input_rows(x)
-      if self.has_bias:
-        rows = jnp.concatenate([rows, jnp.ones((*rows.shape[:2], 1), rows.dtype)], 2)
-      weights = terms.row_weights(x.shape, rows.shape[1])
-      a = a + _gram(rows, weights)
-      num_rows = num_rows + (rows.shape[1] if weights is None else jnp.sum(weights))
+      gram, count = self._input_gram(x, terms)
+      a, num_rows = a + gram, num_rows + count
     return KroneckerFactors(a / num_rows,
                             _output_factor(self.layout, output_grads, terms))
+
+  def _rows(self, x: jax.Array) -> jax.Array:
+    rows = self.layout.input_rows(x)
+    if self.has_bias:
+      rows = jnp.concatenate([rows, jnp.ones((*rows.shape[:2], 1), rows.dtype)], 2)
+    return rows
+
+  def _input_gram(self, x: jax.Array, terms: losses.Terms):
+    """``(Σ_rows w ā āᵀ, Σ_rows w)`` for one call, within bounded memory.
+
+    A layout that expands its input (im2col patches: about kernel-size times
+    the activations) is evaluated over equal chunks of the examples (axis 0)
+    in a `lax.scan`, so at most a quarter of the activations' size in rows
+    exists at once.
+    """
+    if not getattr(self.layout, "expands_input", False):
+      rows = self._rows(x)
+      weights = terms.row_weights(x.shape, rows.shape[1])
+      return _gram(rows, weights), (rows.shape[1] if weights is None
+                                    else jnp.sum(weights))
+    example = jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype)
+    rows_per_example = jax.eval_shape(self._rows, example).shape[1]
+    floats_per_example = rows_per_example * (self.layout.num_stacks *
+                                             (self.layout.in_dim + self.has_bias))
+    n = x.shape[0]
+    weights = terms.row_weights(x.shape, n * rows_per_example)
+    if weights is None:
+      weights = jnp.ones((n * rows_per_example,), jnp.float32)
+    # The largest divisor of n within budget: chunks need no padded copy.
+    budget = max(1, x.size // 4 // floats_per_example)
+    chunk = max(d for d in range(1, min(n, budget) + 1) if n % d == 0)
+    num_chunks = n // chunk
+
+    def add_chunk(total, chunk_data):
+      xs, ws = chunk_data
+      return total + _gram(self._rows(xs), ws), None
+    size = self.layout.in_dim + self.has_bias
+    total, _ = jax.lax.scan(
+        add_chunk, jnp.zeros((self.layout.num_stacks, size, size)),
+        (x.reshape(num_chunks, chunk, *x.shape[1:]),
+         weights.reshape(num_chunks, chunk * rows_per_example)))
+    return total, jnp.sum(weights)
 
   def inverses(self, factors: KroneckerFactors, damping: jax.Array,
                method: str) -> KroneckerFactors:

@@ -46,8 +46,9 @@ def _dense(module, x, y):
 
 def _dense_general(module, x, y):
   del y
-  axes = tuple(a % x.ndim - x.ndim for a in _as_tuple(module.axis))
-  batch_axes = tuple(a % x.ndim for a in _as_tuple(module.batch_dims))
+  # flax sorts both: the kernel is (*batch, *in_features, *features) in axis order.
+  axes = tuple(a - x.ndim for a in sorted(a % x.ndim for a in _as_tuple(module.axis)))
+  batch_axes = tuple(sorted(a % x.ndim for a in _as_tuple(module.batch_dims)))
   return layouts.DenseLayout(
       input_axes=axes, batch_axes=batch_axes,
       in_features=tuple(x.shape[a] for a in axes),

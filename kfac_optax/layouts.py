@@ -118,6 +118,7 @@ class ConvLayout:
   in_channels: int
   out_channels: int
   groups: int = 1
+  expands_input = True  # patches are ~prod(kernel_size) x the input: chunk them
 
   @property
   def num_stacks(self) -> int:

@@ -1,0 +1,706 @@
+"""Every layer kind against an explicit float64 Kronecker-factored reference.
+
+The reference never uses kfac_optax's layouts. A captured layer is linear in
+its kernel, so the rows ``ā`` of its Kronecker block are read off the Jacobian
+of the layer output with respect to the kernel (for a convolution: the im2col
+patch of every output location, padding, strides and dilations included,
+without lax.conv_general_dilated_patches). Output gradients come from autodiff
+of the summed NLL with respect to a zero perturbation added to each layer
+output in an explicitly written forward pass. Factors are formed from those
+row matrices in numpy and the damped solve uses np.kron (tests/brute_force.py).
+
+To keep compile time down, the layers of one family (all convolutions; all
+DenseGeneral configurations) are parallel branches of one model, so one
+jitted K-FAC update serves every test case of the family.
+"""
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kfac_optax
+from tests import brute_force as bf
+
+LOSS = kfac_optax.losses.softmax_cross_entropy()
+DAMPING = 1e-2
+CLASSES = 3
+BATCH = 3
+DIAGONAL = "<diagonal>"
+
+
+# --------------------------------------------------------------------------
+# Shared helpers.
+
+
+def summed_nll(logits, labels):
+  """Σ_n -log softmax(f_n)[y_n], written out."""
+  log_p = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+  return -jnp.sum(jnp.take_along_axis(log_p, labels[:, None], axis=-1))
+
+
+def f64(x):
+  return np.asarray(x, np.float64)
+
+
+def random_tree(shapes, seed, scale=1.0):
+  """Normal float32 leaves with the shapes of ``shapes`` (numpy, no compile)."""
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(
+      lambda s: jnp.asarray(scale * rng.normal(size=s.shape), jnp.float32), shapes)
+
+
+def random_params(model, example_input, seed):
+  shapes = jax.eval_shape(model.init, jax.random.key(0), example_input)["params"]
+  return random_tree(shapes, seed, scale=0.5)
+
+
+def labels(seed, n=BATCH):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, CLASSES, n), jnp.int32)
+
+
+def kfac_step(model, params, batch, grads):
+  """One jitted empirical K-FAC update from a fresh state: (updates, state)."""
+  tx = kfac_optax.scale_by_kfac(
+      model.apply, LOSS, example_batch=batch, estimation="empirical",
+      inverse_update_period=1, damping=DAMPING)
+  step = jax.jit(lambda g, p, b: tx.update(g, tx.init(p), p, batch=b))
+  return step(grads, params, batch)
+
+
+def kronecker_reference(rows, out_grads, num_terms, kernel_grads, bias_grads):
+  """Per stack slice s: A_s, G_s and the damped Kronecker solve of [∇W_s; ∇b_s].
+
+  Args:
+    rows: (S, R, d) layer input rows, without the homogeneous coordinate.
+    out_grads: (S, R, o) output-gradient rows of the summed NLL.
+    num_terms: L.
+    kernel_grads: (S, d, o).
+    bias_grads: (S, o), or None for a layer without bias.
+
+  Returns:
+    (A (S, d[+1], d[+1]), G (S, o, o), U_kernel (S, d, o), U_bias or None).
+  """
+  rows, out_grads = f64(rows), f64(out_grads)
+  if bias_grads is not None:
+    rows = np.concatenate([rows, np.ones((*rows.shape[:2], 1))], axis=2)
+  a = np.einsum("sri,srj->sij", rows, rows) / rows.shape[1]
+  g = np.einsum("sri,srj->sij", out_grads, out_grads) / num_terms
+  solved = [bf.kronecker_precondition(
+      a[s], g[s], kernel_grads[s], None if bias_grads is None else bias_grads[s],
+      DAMPING) for s in range(len(a))]
+  u_kernel = np.stack([u["kernel"] for u in solved])
+  u_bias = None if bias_grads is None else np.stack([u["bias"] for u in solved])
+  return a, g, u_kernel, u_bias
+
+
+def dense_reference(inputs, out_grads, num_terms, grads):
+  """A plain ``s = a W (+ b)`` over the last axis (one stack slice)."""
+  d, o = grads["kernel"].shape
+  a, g, u_kernel, u_bias = kronecker_reference(
+      f64(inputs).reshape(1, -1, d), f64(out_grads).reshape(1, -1, o), num_terms,
+      f64(grads["kernel"])[None],
+      f64(grads["bias"])[None] if "bias" in grads else None)
+  update = {"kernel": u_kernel[0]}
+  if u_bias is not None:
+    update["bias"] = u_bias[0]
+  return (a, g), update
+
+
+def assert_block(state_factors, update, expected_factors, expected_update):
+  """Factors to 1e-4 and the preconditioned leaves to 1e-3 (relative)."""
+  assert set(update) == set(expected_update)
+  for name, value in expected_update.items():
+    assert update[name].shape == value.shape, name
+  assert state_factors.a.shape == expected_factors[0].shape
+  assert state_factors.g.shape == expected_factors[1].shape
+  assert bf.relative_error(state_factors.a, expected_factors[0]) < 1e-4
+  assert bf.relative_error(state_factors.g, expected_factors[1]) < 1e-4
+  assert bf.relative_error(update, expected_update) < 1e-3
+
+
+# --------------------------------------------------------------------------
+# Branch models: each branch x_i -> layer_i -> tanh -> flatten; the branches
+# are concatenated into one Dense(classes) head.
+
+LAYER_TYPES = {"conv": nn.Conv, "dense_general": nn.DenseGeneral}
+
+
+@dataclasses.dataclass(frozen=True)
+class Branch:
+  """One layer under test.
+
+  Attributes:
+    name: module name (and state key) of the layer.
+    kind: key of LAYER_TYPES.
+    x_shape: shape of the branch input, example axis first.
+    kwargs: the layer's keyword arguments, as sorted items (hashable).
+    lead: the example axis is moved behind this many leading axes before the
+      layer (and back after it), so that a DenseGeneral's ``batch_dims``
+      (leading axes in flax) slice along axes other than the example axis.
+  """
+  name: str
+  kind: str
+  x_shape: tuple
+  kwargs: tuple
+  lead: int = 0
+
+  def layer(self, **overrides) -> nn.Module:
+    return LAYER_TYPES[self.kind](**{**dict(self.kwargs), **overrides})
+
+  @property
+  def has_bias(self) -> bool:
+    return dict(self.kwargs).get("use_bias", True)
+
+
+def branch(name, kind, x_shape, lead=0, **kwargs):
+  return Branch(name, kind, tuple(x_shape), tuple(sorted(kwargs.items())), lead)
+
+
+class BranchNet(nn.Module):
+  branches: tuple
+
+  @nn.compact
+  def __call__(self, xs):
+    hidden = []
+    for b in self.branches:
+      s = b.layer(name=b.name)(jnp.moveaxis(xs[b.name], 0, b.lead))
+      hidden.append(jnp.tanh(jnp.moveaxis(s, b.lead, 0)).reshape(BATCH, -1))
+    return nn.Dense(CLASSES, name="head")(jnp.concatenate(hidden, axis=-1))
+
+
+def branch_forward(branches, params, xs, perturbations):
+  """BranchNet written out, each layer output plus its perturbation."""
+  hidden = []
+  for b in branches:
+    moved = jnp.moveaxis(xs[b.name], 0, b.lead)
+    s = b.layer().apply({"params": params[b.name]}, moved) + perturbations[b.name]
+    hidden.append(jnp.tanh(jnp.moveaxis(s, b.lead, 0)).reshape(BATCH, -1))
+  h = jnp.concatenate(hidden, axis=-1)
+  logits = h @ params["head"]["kernel"] + params["head"]["bias"]
+  return logits + perturbations["head"], h
+
+
+class Reference(NamedTuple):
+  """Everything the numpy reference needs about one branch model.
+
+  Attributes:
+    inputs: branch -> the layer input, as the layer sees it.
+    outputs: branch -> the layer output.
+    head_input: (N, D) input of the head.
+    output_grads: layer (and "head") -> ∂ summed NLL / ∂ layer output.
+    jacobians: branch -> ∂ output / ∂ kernel of the bias-free layer.
+  """
+  inputs: dict
+  outputs: dict
+  head_input: Any
+  output_grads: dict
+  jacobians: dict
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def branch_reference(branches, params, xs, y):
+  inputs = {b.name: jnp.moveaxis(xs[b.name], 0, b.lead) for b in branches}
+  outputs = {b.name: b.layer().apply({"params": params[b.name]}, inputs[b.name])
+             for b in branches}
+  zeros = {name: jnp.zeros_like(s) for name, s in outputs.items()}
+  zeros["head"] = jnp.zeros((BATCH, CLASSES))
+
+  def loss(perturbations):
+    logits, h = branch_forward(branches, params, xs, perturbations)
+    return summed_nll(logits, y), h
+  output_grads, head_input = jax.grad(loss, has_aux=True)(zeros)
+  # The written-out forward pass is the model's.
+  error = jnp.max(jnp.abs(branch_forward(branches, params, xs, zeros)[0]
+                          - BranchNet(branches).apply({"params": params}, xs)))
+
+  jacobians = {}
+  for b in branches:  # the layer is linear in its kernel: ∂y/∂W holds the rows
+    plain, x = b.layer(use_bias=False), inputs[b.name]
+    jacobians[b.name] = jax.jacfwd(
+        lambda k, plain=plain, x=x: plain.apply({"params": {"kernel": k}}, x))(
+            params[b.name]["kernel"])
+  return error, Reference(inputs, outputs, head_input, output_grads, jacobians)
+
+
+class Family(NamedTuple):
+  params: Any
+  grads: Any
+  updates: Any
+  state: Any
+  reference: Reference
+
+
+@functools.lru_cache(maxsize=None)
+def run_family(branches: tuple) -> Family:
+  """One K-FAC update and the reference arrays for a tuple of branches."""
+  model = BranchNet(branches)
+  rng = np.random.default_rng(len(branches))
+  xs = {b.name: jnp.asarray(rng.normal(size=b.x_shape), jnp.float32)
+        for b in branches}
+  y = labels(1)
+  params = random_params(model, xs, seed=2)
+  grads = random_tree(params, seed=3)
+  updates, state = kfac_step(model, params, (xs, y), grads)
+  forward_error, reference = branch_reference(branches, params, xs, y)
+  assert forward_error < 1e-5
+  return Family(params, grads, updates, state,
+                jax.tree.map(f64, reference))
+
+
+def check_head(family, branches):
+  assert set(family.state.factors) == {b.name for b in branches} | {"head"}
+  ref = family.reference
+  factors, update = dense_reference(ref.head_input, ref.output_grads["head"], BATCH,
+                                    family.grads["head"])
+  assert_block(family.state.factors["head"], family.updates["head"], factors, update)
+
+
+# --------------------------------------------------------------------------
+# 1. nn.Conv (KFC): 1-D, 2-D and 3-D, every padding mode, strides, dilations,
+#    groups.
+
+CONV_BRANCHES = (
+    # 1-D, inputs (N, 6, C) unless noted.
+    branch("c1_same_bias", "conv", (BATCH, 6, 2),
+           features=3, kernel_size=(3,), padding="SAME"),
+    branch("c1_valid_stride2_nobias", "conv", (BATCH, 6, 2),
+           features=3, kernel_size=(3,), padding="VALID", strides=2, use_bias=False),
+    branch("c1_explicit_kdil2", "conv", (BATCH, 6, 2),
+           features=2, kernel_size=(2,), padding=((1, 2),), kernel_dilation=2),
+    branch("c1_causal_kdil2_groups2", "conv", (BATCH, 6, 4),
+           features=4, kernel_size=(3,), padding="CAUSAL", kernel_dilation=2,
+           feature_group_count=2),
+    branch("c1_circular_stride2", "conv", (BATCH, 6, 2),
+           features=3, kernel_size=(3,), padding="CIRCULAR", strides=2),
+    branch("c1_reflect_kdil2", "conv", (BATCH, 6, 2),
+           features=2, kernel_size=(3,), padding="REFLECT", kernel_dilation=2),
+    branch("c1_input_dilation_stride2", "conv", (BATCH, 5, 2),
+           features=3, kernel_size=(3,), padding=((2, 1),), input_dilation=2,
+           strides=2),
+    branch("c1_extra_leading_axis", "conv", (BATCH, 2, 6, 2),
+           features=3, kernel_size=(2,), padding="SAME"),
+    # 2-D.
+    branch("c2_same_groups2", "conv", (BATCH, 5, 6, 4),
+           features=4, kernel_size=(3, 3), padding="SAME", feature_group_count=2),
+    branch("c2_valid_strides_nobias", "conv", (BATCH, 5, 6, 2),
+           features=3, kernel_size=(2, 3), padding="VALID", strides=(2, 1),
+           use_bias=False),
+    branch("c2_explicit_kdil", "conv", (BATCH, 5, 6, 2),
+           features=3, kernel_size=(2, 2), padding=((1, 2), (0, 1)),
+           kernel_dilation=(2, 1)),
+    branch("c2_int_padding_stride2", "conv", (BATCH, 5, 5, 2),
+           features=2, kernel_size=(3, 3), padding=1, strides=2),
+    branch("c2_circular_even_kernel", "conv", (BATCH, 5, 6, 2),
+           features=3, kernel_size=(2, 3), padding="CIRCULAR", strides=2,
+           kernel_dilation=(1, 2)),
+    branch("c2_reflect_groups2_nobias", "conv", (BATCH, 5, 6, 4),
+           features=2, kernel_size=(3, 2), padding="REFLECT", feature_group_count=2,
+           use_bias=False),
+    branch("c2_input_dilation_groups2", "conv", (BATCH, 4, 5, 4),
+           features=4, kernel_size=(2, 3), padding=((1, 1), (2, 0)),
+           input_dilation=(2, 1), strides=(1, 2), feature_group_count=2),
+    branch("c2_depthwise", "conv", (BATCH, 5, 5, 3),
+           features=6, kernel_size=(3, 3), padding="SAME", feature_group_count=3),
+    # 3-D.
+    branch("c3_same_strides", "conv", (BATCH, 4, 4, 3, 2),
+           features=2, kernel_size=(2, 2, 2), padding="SAME", strides=(2, 1, 2)),
+    branch("c3_valid_groups2_nobias", "conv", (BATCH, 4, 4, 3, 4),
+           features=2, kernel_size=(2, 1, 2), padding="VALID", strides=(2, 1, 1),
+           feature_group_count=2, use_bias=False),
+    branch("c3_explicit_dilations", "conv", (BATCH, 4, 3, 3, 2),
+           features=2, kernel_size=(2, 2, 2), padding=((1, 0), (0, 1), (1, 1)),
+           kernel_dilation=(1, 2, 1), input_dilation=(1, 1, 2)),
+    branch("c3_circular", "conv", (BATCH, 4, 4, 3, 2),
+           features=2, kernel_size=(3, 2, 2), padding="CIRCULAR", strides=(1, 2, 1)),
+)
+CONV_CASES = {b.name: b for b in CONV_BRANCHES}
+
+
+def group_columns(matrix, groups):
+  """(..., c_out) -> (groups, ..., c_out / groups): output channels per group."""
+  width = matrix.shape[-1] // groups
+  return np.stack([matrix[..., j * width:(j + 1) * width] for j in range(groups)])
+
+
+def conv_patches(jacobian, kernel_shape, groups):
+  """(groups, R, taps·c_in/groups) im2col rows, in the kernel's order.
+
+  ``y[r, o] = Σ_p patch_r[p] · kernel[p, o]`` for the output channels o of
+  the patch's group, so ``∂y[r, o] / ∂kernel[p, o]`` is the patch of row r:
+  the Jacobian at one output channel of a group holds every row of it.
+  """
+  c_out = kernel_shape[-1]
+  in_dim = int(np.prod(kernel_shape[:-1]))
+  jacobian = jacobian.reshape(-1, c_out, in_dim, c_out)
+  width = c_out // groups
+  return np.stack([jacobian[:, j * width, :, j * width] for j in range(groups)])
+
+
+@pytest.mark.parametrize("case", list(CONV_CASES))
+def test_conv_matches_brute_force(case):
+  b = CONV_CASES[case]
+  family = run_family(CONV_BRANCHES)
+  ref, params, grads = family.reference, family.params[b.name], family.grads[b.name]
+  kernel = f64(params["kernel"])
+  groups, c_out = b.layer().feature_group_count, kernel.shape[-1]
+  in_dim = kernel[..., 0].size
+  patches = conv_patches(ref.jacobians[b.name], kernel.shape, groups)
+  outputs = ref.outputs[b.name]
+  assert patches.shape == (groups, outputs[..., 0].size, in_dim)
+
+  # The reference rows reproduce the convolution, group by group.
+  bias = f64(params["bias"]) if b.has_bias else np.zeros(c_out)
+  np.testing.assert_allclose(
+      patches @ group_columns(kernel.reshape(in_dim, c_out), groups)
+      + group_columns(bias, groups)[:, None],
+      group_columns(outputs.reshape(-1, c_out), groups), atol=1e-5)
+
+  a, g, u_kernel, u_bias = kronecker_reference(
+      patches, group_columns(ref.output_grads[b.name].reshape(-1, c_out), groups),
+      BATCH, group_columns(f64(grads["kernel"]).reshape(in_dim, c_out), groups),
+      group_columns(f64(grads["bias"]), groups) if b.has_bias else None)
+  expected = {"kernel": np.concatenate(list(u_kernel), axis=-1).reshape(kernel.shape)}
+  if b.has_bias:
+    expected["bias"] = np.concatenate(list(u_bias))
+
+  size = in_dim + b.has_bias
+  assert set(family.state.factors) == set(CONV_CASES) | {"head"}
+  assert family.state.factors[b.name].a.shape == (groups, size, size)
+  assert_block(family.state.factors[b.name], family.updates[b.name], (a, g), expected)
+
+
+def test_conv_family_head_matches_brute_force():
+  check_head(run_family(CONV_BRANCHES), CONV_BRANCHES)
+
+
+# --------------------------------------------------------------------------
+# 2. nn.DenseGeneral: several contracted axes, several output axes, batch_dims.
+#    flax's DenseGeneral (checked): kernel (*batch, *in_features, *features),
+#    output (*batch, *other axes in order, *features), axis and batch_dims
+#    sorted; batch_dims must be the leading axes 0..k-1.
+
+# Two families: one without and one with batch_dims (the example axis is then
+# not the layer input's axis 0). Each also holds one layer declared with its
+# axes out of order (flax sorts axis and batch_dims: the same layer).
+DENSE_GENERAL_FAMILIES = (
+    (
+        branch("axes_features_bias", "dense_general", (BATCH, 2, 4, 3),
+               features=(2, 3), axis=(-2, -1)),
+        branch("axes_features_nobias", "dense_general", (BATCH, 2, 4, 3),
+               features=(2, 3), axis=(-2, -1), use_bias=False),
+        branch("middle_axis_int_features", "dense_general", (BATCH, 4, 3),
+               features=2, axis=1),
+        branch("unsorted_axes", "dense_general", (BATCH, 4, 3), features=2,
+               axis=(-1, -2)),
+    ),
+    (
+        branch("batch_dims_bias", "dense_general", (BATCH, 2, 4, 3), lead=1,
+               features=(2, 3), axis=-1, batch_dims=(0,)),
+        branch("batch_dims_axes_nobias", "dense_general", (BATCH, 2, 4, 3), lead=1,
+               features=(3, 2), axis=(-2, -1), batch_dims=(0,), use_bias=False),
+        branch("two_batch_dims", "dense_general", (BATCH, 2, 3, 2, 3), lead=2,
+               features=(2, 2), axis=-1, batch_dims=(0, 1)),
+        branch("unsorted_batch_dims", "dense_general", (BATCH, 2, 3, 3), lead=2,
+               features=2, axis=-1, batch_dims=(1, 0)),
+    ),
+)
+DENSE_GENERAL_FAMILY = {b.name: family for family in DENSE_GENERAL_FAMILIES
+                        for b in family}
+DENSE_GENERAL_CASES = {b.name: b for family in DENSE_GENERAL_FAMILIES
+                       for b in family if not b.name.startswith("unsorted")}
+
+
+def check_dense_general(branches, b):
+  family = run_family(branches)
+  ref, params, grads = family.reference, family.params[b.name], family.grads[b.name]
+  kernel = f64(params["kernel"])
+  kwargs = dict(b.kwargs)
+  inputs = ref.inputs[b.name]
+  batch_shape = tuple(inputs.shape[i] for i in sorted(kwargs.get("batch_dims", ())))
+  features = kwargs["features"]
+  features = features if isinstance(features, tuple) else (features,)
+  slices, outs = int(np.prod(batch_shape)), int(np.prod(features))
+  in_dim = kernel.size // slices // outs
+
+  # ∂y[b, r, o] / ∂kernel[b', i, o'] = x-row[b, r, i] δ(b, b') δ(o, o').
+  jacobian = ref.jacobians[b.name].reshape(slices, -1, outs, slices, in_dim, outs)
+  rows = np.stack([jacobian[s, :, 0, s, :, 0] for s in range(slices)])
+  kernel_mats = kernel.reshape(slices, in_dim, outs)
+  bias = (f64(params["bias"]).reshape(slices, outs) if b.has_bias
+          else np.zeros((slices, outs)))
+  np.testing.assert_allclose(rows @ kernel_mats + bias[:, None],
+                             ref.outputs[b.name].reshape(slices, -1, outs), atol=1e-5)
+
+  a, g, u_kernel, u_bias = kronecker_reference(
+      rows, ref.output_grads[b.name].reshape(slices, -1, outs), BATCH,
+      f64(grads["kernel"]).reshape(slices, in_dim, outs),
+      f64(grads["bias"]).reshape(slices, outs) if b.has_bias else None)
+  expected = {"kernel": u_kernel.reshape(kernel.shape)}
+  if b.has_bias:
+    expected["bias"] = u_bias.reshape(params["bias"].shape)
+
+  size = in_dim + b.has_bias
+  assert family.state.factors[b.name].a.shape == (slices, size, size)
+  assert_block(family.state.factors[b.name], family.updates[b.name], (a, g), expected)
+  assert set(family.state.factors) == {c.name for c in branches} | {"head"}
+
+
+@pytest.mark.parametrize("case", list(DENSE_GENERAL_CASES))
+def test_dense_general_matches_brute_force(case):
+  check_dense_general(DENSE_GENERAL_FAMILY[case], DENSE_GENERAL_CASES[case])
+
+
+@pytest.mark.parametrize("family", [0, 1], ids=["plain", "batch_dims"])
+def test_dense_general_family_head_matches_brute_force(family):
+  branches = DENSE_GENERAL_FAMILIES[family]
+  check_head(run_family(branches), branches)
+
+
+def test_dense_general_axes_in_any_order():
+  """axis=(-1, -2) is the layer axis=(-2, -1) is (kernel (4, 3, 2))."""
+  branches = DENSE_GENERAL_FAMILIES[0]
+  check_dense_general(branches, branches[-1])
+
+
+def test_dense_general_batch_dims_in_any_order():
+  """batch_dims=(1, 0) is the layer batch_dims=(0, 1) is (kernel (2, 3, 3, 2))."""
+  branches = DENSE_GENERAL_FAMILIES[1]
+  check_dense_general(branches, branches[-1])
+
+
+# --------------------------------------------------------------------------
+# 3. nn.Embed: diagonal A from token counts, never a vocab x vocab array.
+
+VOCAB, EMBED_DIM = 7, 3
+
+
+class EmbedNet(nn.Module):
+  @nn.compact
+  def __call__(self, tokens):
+    e = nn.Embed(VOCAB, EMBED_DIM, name="embed")(tokens)
+    return nn.Dense(CLASSES, name="head")(e.mean(axis=1))
+
+
+def test_embed_matches_brute_force():
+  n, t = 4, 5
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, VOCAB - 1, (n, t)), jnp.int32)  # id 6 unseen
+  y = labels(1, n)
+  params = random_params(EmbedNet(), tokens, seed=2)
+  grads = random_tree(params, seed=3)
+  out, state = kfac_step(EmbedNet(), params, (tokens, y), grads)
+
+  def forward(perturbations):
+    e = params["embed"]["embedding"][tokens] + perturbations["embed"]
+    pooled = e.mean(axis=1)
+    logits = pooled @ params["head"]["kernel"] + params["head"]["bias"]
+    return summed_nll(logits + perturbations["head"], y), (pooled, logits)
+  zeros = {"embed": jnp.zeros((n, t, EMBED_DIM)), "head": jnp.zeros((n, CLASSES))}
+  out_grads, (pooled, logits) = jax.jit(jax.grad(forward, has_aux=True))(zeros)
+  np.testing.assert_allclose(logits, EmbedNet().apply({"params": params}, tokens),
+                             atol=1e-5)
+
+  one_hot = np.eye(VOCAB)[np.asarray(tokens).reshape(-1)]  # (N T, vocab) rows
+  a_diag = one_hot.mean(axis=0)  # the diagonal of mean ā āᵀ: token frequencies
+  np.testing.assert_allclose(one_hot.T @ one_hot / (n * t), np.diag(a_diag))
+  rows_g = f64(out_grads["embed"]).reshape(-1, EMBED_DIM)
+  g = rows_g.T @ rows_g / n
+  expected = bf.kronecker_precondition(
+      np.diag(a_diag), g, grads["embed"]["embedding"], None, DAMPING)
+
+  assert a_diag[-1] == 0 and set(state.factors) == {"embed", "head"}
+  assert state.factors["embed"].a.shape == (1, VOCAB)
+  assert bf.relative_error(state.factors["embed"].a, a_diag[None]) < 1e-4
+  assert bf.relative_error(state.factors["embed"].g, g[None]) < 1e-4
+  assert out["embed"]["embedding"].shape == (VOCAB, EMBED_DIM)
+  assert bf.relative_error(out["embed"], {"embedding": expected["kernel"]}) < 1e-3
+  for leaf in jax.tree.leaves((state.factors["embed"], state.inverses["embed"])):
+    assert leaf.shape.count(VOCAB) <= 1, leaf.shape
+  head_factors, head_update = dense_reference(pooled, out_grads["head"], n, grads["head"])
+  assert_block(state.factors["head"], out["head"], head_factors, head_update)
+
+
+# --------------------------------------------------------------------------
+# 4. nn.MultiHeadDotProductAttention: four DenseGeneral projections.
+
+HEADS, HEAD_DIM, WIDTH = 2, 2, 3
+PROJECTIONS = ("query", "key", "value", "out")
+
+
+class AttentionNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.MultiHeadDotProductAttention(
+        num_heads=HEADS, qkv_features=HEADS * HEAD_DIM, out_features=WIDTH,
+        name="attn")(x)
+    return nn.Dense(CLASSES, name="head")(jnp.tanh(h).mean(axis=1))
+
+
+def attention_forward(params, x, perturbations):
+  """Self-attention written out; perturbations on q, k, v, out and logits."""
+  p = params["attn"]
+  def project(name):
+    return (jnp.einsum("ntd,dhf->nthf", x, p[name]["kernel"]) + p[name]["bias"]
+            + perturbations[name])
+  q, k, v = project("query"), project("key"), project("value")
+  scores = jnp.einsum("nqhf,nkhf->nhqk", q, k) / np.sqrt(HEAD_DIM)
+  mixed = jnp.einsum("nhqk,nkhf->nqhf", jax.nn.softmax(scores, axis=-1), v)
+  s = (jnp.einsum("nqhf,hfe->nqe", mixed, p["out"]["kernel"]) + p["out"]["bias"]
+       + perturbations["out"])
+  pooled = jnp.tanh(s).mean(axis=1)
+  logits = pooled @ params["head"]["kernel"] + params["head"]["bias"]
+  return logits + perturbations["head"], {"mixed": mixed, "pooled": pooled}
+
+
+def test_attention_projections_are_found_and_match_brute_force():
+  n, t = BATCH, 4
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(n, t, WIDTH)), jnp.float32)
+  y = labels(1)
+  params = random_params(AttentionNet(), x, seed=2)
+  grads = random_tree(params, seed=3)
+  out, state = kfac_step(AttentionNet(), params, (x, y), grads)
+
+  assert set(state.factors) == {f"attn/{name}" for name in PROJECTIONS} | {"head"}
+  assert set(state.inverses) == set(state.factors)
+
+  qkv = HEADS * HEAD_DIM
+  zeros = {name: jnp.zeros((n, t, HEADS, HEAD_DIM)) for name in PROJECTIONS[:3]}
+  zeros.update(out=jnp.zeros((n, t, WIDTH)), head=jnp.zeros((n, CLASSES)))
+  def loss(perturbations):
+    logits, inner = attention_forward(params, x, perturbations)
+    return summed_nll(logits, y), (logits, inner)
+  out_grads, (logits, inner) = jax.jit(jax.grad(loss, has_aux=True))(zeros)
+  np.testing.assert_allclose(logits, AttentionNet().apply({"params": params}, x),
+                             atol=1e-5)
+
+  layer_inputs = {"query": x, "key": x, "value": x, "out": inner["mixed"]}
+  for name in PROJECTIONS:
+    p, gp = params["attn"][name], grads["attn"][name]
+    in_dim, out_dim = (qkv, WIDTH) if name == "out" else (WIDTH, qkv)
+    flat = {"kernel": f64(gp["kernel"]).reshape(in_dim, out_dim),
+            "bias": f64(gp["bias"]).reshape(out_dim)}
+    factors, update = dense_reference(
+        f64(layer_inputs[name]).reshape(-1, in_dim),
+        f64(out_grads[name]).reshape(-1, out_dim), n, flat)
+    expected = {"kernel": update["kernel"].reshape(p["kernel"].shape),
+                "bias": update["bias"].reshape(p["bias"].shape)}
+    assert_block(state.factors[f"attn/{name}"], out["attn"][name], factors, expected)
+  head_factors, head_update = dense_reference(
+      inner["pooled"], out_grads["head"], n, grads["head"])
+  assert_block(state.factors["head"], out["head"], head_factors, head_update)
+
+
+# --------------------------------------------------------------------------
+# 5. Unregistered layers (ConvTranspose, ConvLocal): the diagonal fallback.
+
+
+class UnregisteredNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = jnp.tanh(nn.ConvTranspose(2, (3,), strides=(2,), name="transpose")(x))
+    h = jnp.tanh(nn.ConvLocal(2, (2,), padding="VALID", name="local")(h))
+    return nn.Dense(CLASSES, name="head")(h.reshape(x.shape[0], -1))
+
+
+def test_conv_transpose_and_conv_local_use_the_diagonal_block():
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(BATCH, 4, 2)), jnp.float32)
+  y = labels(1)
+  model = UnregisteredNet()
+  params = random_params(model, x, seed=2)
+  grads = random_tree(params, seed=3)
+  out, state = kfac_step(model, params, (x, y), grads)
+
+  fallback = {f"{layer}/{leaf}": (layer, leaf)
+              for layer in ("transpose", "local") for leaf in ("kernel", "bias")}
+  assert set(state.factors) == {"head", DIAGONAL}
+  assert set(state.factors[DIAGONAL]) == set(fallback)
+
+  def example_loss(p, xn, yn):
+    return summed_nll(model.apply({"params": p}, xn[None]), yn[None])
+  per_example = jax.jit(jax.vmap(jax.grad(example_loss), (None, 0, 0)))(params, x, y)
+  for key, (layer, leaf) in fallback.items():
+    fisher = f64(per_example[layer][leaf]).sum(axis=0) ** 2 / BATCH
+    assert state.factors[DIAGONAL][key].shape == params[layer][leaf].shape
+    assert bf.relative_error(state.factors[DIAGONAL][key], fisher) < 1e-4
+    expected = f64(grads[layer][leaf]) / (fisher + DAMPING)
+    assert bf.relative_error(out[layer][leaf], expected) < 1e-3
+
+
+# --------------------------------------------------------------------------
+# 6. register_layer: a user module gets a Kronecker block.
+
+
+class Affine(nn.Module):
+  """A user layer ``x @ kernel + bias`` with its own parameters."""
+  features: int
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param("kernel", nn.initializers.lecun_normal(),
+                        (x.shape[-1], self.features))
+    bias = self.param("bias", nn.initializers.zeros, (self.features,))
+    return x @ kernel + bias
+
+
+class AffineNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = jnp.tanh(Affine(4, name="affine")(x)).mean(axis=1)
+    return nn.Dense(CLASSES, name="head")(h)
+
+
+@pytest.fixture
+def registered_affine():
+  kfac_optax.register_layer(Affine, "dense")
+  try:
+    yield
+  finally:
+    kfac_optax.layers._REGISTRY.pop(Affine)  # pylint: disable=protected-access
+
+
+def affine_problem():
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(BATCH, 5, 2)), jnp.float32)
+  params = random_params(AffineNet(), x, seed=2)
+  return params, (x, labels(1)), random_tree(params, seed=3)
+
+
+def test_unregistered_user_layer_falls_back_to_the_diagonal():
+  params, batch, _ = affine_problem()
+  tx = kfac_optax.scale_by_kfac(AffineNet().apply, LOSS, example_batch=batch)
+  state = jax.eval_shape(tx.init, params)
+  assert set(state.factors) == {"head", DIAGONAL}
+  assert set(state.factors[DIAGONAL]) == {"affine/kernel", "affine/bias"}
+
+
+def test_registered_user_layer_matches_brute_force(registered_affine):
+  del registered_affine
+  params, (x, y), grads = affine_problem()
+  out, state = kfac_step(AffineNet(), params, (x, y), grads)
+  assert set(state.factors) == {"affine", "head"}
+
+  def forward(perturbations):
+    p = params["affine"]
+    s = x @ p["kernel"] + p["bias"] + perturbations["affine"]
+    pooled = jnp.tanh(s).mean(axis=1)
+    logits = pooled @ params["head"]["kernel"] + params["head"]["bias"]
+    return summed_nll(logits + perturbations["head"], y), (pooled, logits)
+  zeros = {"affine": jnp.zeros((BATCH, 5, 4)), "head": jnp.zeros((BATCH, CLASSES))}
+  out_grads, (pooled, logits) = jax.jit(jax.grad(forward, has_aux=True))(zeros)
+  np.testing.assert_allclose(logits, AffineNet().apply({"params": params}, x),
+                             atol=1e-5)
+
+  factors, update = dense_reference(x, out_grads["affine"], BATCH, grads["affine"])
+  assert_block(state.factors["affine"], out["affine"], factors, update)
+  head_factors, head_update = dense_reference(pooled, out_grads["head"], BATCH,
+                                              grads["head"])
+  assert_block(state.factors["head"], out["head"], head_factors, head_update)
+
+
+def test_registry_is_restored_after_registration():
+  assert Affine not in kfac_optax.layers._REGISTRY  # pylint: disable=protected-access
