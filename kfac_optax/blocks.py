@@ -111,7 +111,7 @@ class KroneckerBlock:
   def _rows(self, x: jax.Array) -> jax.Array:
     rows = self.layout.input_rows(x)
     if self.has_bias:
-      rows = jnp.concatenate([rows, jnp.ones((*rows.shape[:2], 1), rows.dtype)], 2)
+      rows = jnp.concatenate([rows, jnp.ones_like(rows[..., :1])], 2)
     return rows
 
   def _input_gram(self, x: jax.Array, terms: losses.Terms):

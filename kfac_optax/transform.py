@@ -335,6 +335,22 @@ def scale_by_kfac(
           "rng=: pass a fresh jax.random key each step (or use "
           'estimation="empirical" or "exact")')
     variables = dict(variables or {})
+    explicit = _explicit_mesh_axes()
+    if not explicit:
+      return update_with(updates, state, params, batch, variables, rng)
+    # Under Explicit mesh axes every reshape, scan or contraction over the
+    # batch-sharded axis (in the model's own layers too) would need its output
+    # sharding named. K-FAC's pass runs with those axes made Auto instead, so
+    # XLA propagates shardings (and all-reduces the statistics) as under Auto
+    # axes; the updates keep the gradients' shardings, the state is replicated.
+    out_sharding = (
+        jax.tree.map(lambda u: jax.typeof(u).sharding.spec, updates),
+        jax.tree.map(lambda _: jax.sharding.PartitionSpec(), state))
+    return jax.sharding.auto_axes(update_with, axes=explicit,
+                                  out_sharding=out_sharding)(
+                                      updates, state, params, batch, variables, rng)
+
+  def update_with(updates, state, params, batch, variables, rng):
     plan = make_plan(params, batch, variables, list(variables), "batch")
     damping_now = jnp.asarray(_value_at(damping, state.count), jnp.float32)
 
@@ -366,6 +382,13 @@ def scale_by_kfac(
     return _rebuild(treedef, new_updates), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _explicit_mesh_axes() -> tuple[str, ...]:
+  """The context mesh's axes of type Explicit (``jax.make_mesh``'s default)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+               if kind == jax.sharding.AxisType.Explicit)
 
 
 def _on_schedule(period: Any, count: jax.Array, refresh: Callable[[Any], Any],
