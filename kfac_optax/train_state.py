@@ -3,6 +3,7 @@
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax.core import FrozenDict
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
@@ -21,6 +22,16 @@ class TrainState(train_state.TrainState):
     ...     apply_fn=model.apply, params=params, tx=kfac_optax.kfac(...))
     >>> state = state.apply_gradients(grads=grads, batch=batch, rng=rng)  # doctest: +SKIP
   """
+
+  @classmethod
+  def create(cls, *, apply_fn, params, tx, **kwargs) -> "TrainState":
+    """As flax's ``create``, with ``step`` an int32 array rather than 0.
+
+    flax stores the Python int 0, so the first jitted step sees another input
+    type than the later ones and compiles twice; an array compiles once.
+    """
+    state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+    return state.replace(step=jnp.zeros([], jnp.int32))
 
   def apply_gradients(self, *, grads: Any, batch: Any,
                       rng: jax.Array | None = None, **kwargs: Any) -> "TrainState":

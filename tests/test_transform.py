@@ -1,5 +1,7 @@
 """scale_by_kfac against explicit per-example Jacobians, factors and solves."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -139,3 +141,26 @@ def test_fresh_state_can_be_donated():
                  donate_argnums=0)
   state = step(step(tx.init(params)))
   assert int(state.count) == 2
+
+
+def test_training_steps_compile_once():
+  """The state keeps its types step to step: one trace, state donated."""
+  params, batch = bf.tiny_problem()
+  model = bf.TinyMLP()
+  tx = kfac_optax.kfac(model.apply, LOSS, example_batch=batch, learning_rate=0.1,
+                       damping=lambda count: 1e-2 / (1 + count),
+                       inverse_update_period=2)
+  state = kfac_optax.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  traces = []
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def step(state, batch, rng):
+    traces.append(1)
+    grads = jax.grad(lambda p: LOSS.value(model.apply({"params": p}, batch[0]),
+                                          batch))(state.params)
+    return state.apply_gradients(grads=grads, batch=batch, rng=rng)
+
+  for seed in range(4):
+    state = step(state, bf.tiny_problem(seed=seed)[1], jax.random.key(seed))
+  assert len(traces) == 1 and step._cache_size() == 1
+  assert int(state.step) == 4
