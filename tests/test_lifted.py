@@ -120,3 +120,35 @@ def test_unthreaded_scan_layers_can_take_the_diagonal_block():
                        rng=jax.random.key(2))
   assert set(state.factors["<diagonal>"]) == {
       "stack/dense/kernel", "stack/dense/bias", "stack/norm/scale", "stack/norm/bias"}
+
+
+class Member(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(3, name="out")(jnp.tanh(nn.Dense(4, name="hidden")(x)))
+
+
+def test_vmapped_ensemble_gets_one_block_per_member():
+  """nn.vmap over stacked params: each member is its own block, as if alone."""
+  ensemble = nn.vmap(Member, in_axes=0, out_axes=0, axis_size=2,
+                     variable_axes=THREADED, split_rngs={"params": True})()
+  x = jax.random.normal(jax.random.key(0), (2, 6, 5))  # (member, batch, features)
+  y = jnp.stack([jnp.arange(6) % 3, (jnp.arange(6) + 1) % 3])
+  params = ensemble.init(jax.random.key(1), x)["params"]
+  tx = kfac_optax.scale_by_kfac(ensemble.apply, LOSS, example_batch=(x, y),
+                                estimation="empirical")
+  _, state = tx.update(params, tx.init(params), params, batch=(x, y))
+  assert state.factors["hidden"].a.shape == (2, 1, 6, 6)
+  for member in range(2):
+    alone = jax.tree.map(lambda a, m=member: a[m], params)
+    single = kfac_optax.scale_by_kfac(
+        Member().apply, LOSS, example_batch=(x[member], y[member]),
+        estimation="empirical")
+    _, expected = single.update(alone, single.init(alone), alone,
+                                batch=(x[member], y[member]))
+    for key in ("hidden", "out"):
+      actual = jax.tree.map(lambda a, m=member: a[m], state.factors[key])
+      # L counts the terms of both members (12), one member alone has 6.
+      expected_factors = expected.factors[key]._replace(g=expected.factors[key].g / 2)
+      assert bf.relative_error(actual, expected_factors) < 1e-5
