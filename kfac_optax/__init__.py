@@ -1,6 +1,7 @@
 """K-FAC (Kronecker-factored approximate curvature) as an optax transformation."""
 
 from kfac_optax import losses
+from kfac_optax import sharding
 from kfac_optax.blocks import KroneckerFactors
 from kfac_optax.layers import register_layer
 from kfac_optax.train_state import TrainState
@@ -16,5 +17,6 @@ __all__ = [
     "losses",
     "register_layer",
     "scale_by_kfac",
+    "sharding",
 ]
 __version__ = "0.1.0"

@@ -150,14 +150,15 @@ class KroneckerBlock:
          weights.reshape(num_chunks, chunk * rows_per_example)))
     return total, jnp.sum(weights)
 
-  def inverses(self, factors: KroneckerFactors, damping: jax.Array,
-               method: str) -> KroneckerFactors:
-    def one_slice(a, g):
-      damping_a, damping_g = linalg.pi_adjusted_damping(
-          linalg.mean_eigenvalue(a), linalg.mean_eigenvalue(g), damping)
-      return KroneckerFactors(linalg.damped_inverse(a, damping_a, method),
-                              linalg.damped_inverse(g, damping_g, method))
-    return jax.vmap(one_slice)(factors.a, factors.g)
+  def damped(self, factors: KroneckerFactors,
+             damping: jax.Array) -> KroneckerFactors:
+    """The factors with their π-adjusted damping, to invert (`linalg.invert_all`)."""
+    damping_a, damping_g = jax.vmap(
+        lambda a, g: linalg.pi_adjusted_damping(
+            linalg.mean_eigenvalue(a), linalg.mean_eigenvalue(g), damping)
+    )(factors.a, factors.g)
+    return KroneckerFactors(linalg.Damped(factors.a, damping_a),
+                            linalg.Damped(factors.g, damping_g))
 
   def precondition(self, inverses: KroneckerFactors, grads: dict) -> dict:
     """Maps ``{"kernel": ∇W[, "bias": ∇b]}`` to its preconditioned leaves."""
@@ -205,12 +206,13 @@ class EmbeddingBlock:
     return KroneckerFactors((counts / total)[None],
                             _output_factor(self.layout, output_grads, terms))
 
-  def inverses(self, factors, damping, method) -> KroneckerFactors:
+  def damped(self, factors, damping) -> KroneckerFactors:
+    """The diagonal ``A`` inverted here; ``G`` with its damping, to invert."""
     a, g = factors.a[0], factors.g[0]
     damping_a, damping_g = linalg.pi_adjusted_damping(
         jnp.mean(a), linalg.mean_eigenvalue(g), damping)
     return KroneckerFactors((1.0 / (a + damping_a))[None],
-                            linalg.damped_inverse(g, damping_g, method)[None])
+                            linalg.Damped(factors.g, damping_g[None]))
 
   def precondition(self, inverses, grads) -> dict:
     v = grads["embedding"]
@@ -252,14 +254,12 @@ class DiagonalBlock:
     return {k: jnp.sum(jnp.square(param_grads[k].astype(jnp.float32)), 0) / terms.count
             for k in self.names}
 
-  def inverses(self, fisher: dict, damping: jax.Array, method: str) -> dict:
-    del method  # a diagonal needs no factorisation
+  def damped(self, fisher: dict, damping: jax.Array) -> dict:
+    """The inverses themselves: a diagonal needs no factorisation."""
     return {k: 1.0 / (fisher[k] + damping) for k in self.names}
 
   def precondition(self, inverses: dict, grads: dict) -> dict:
     return {k: (grads[k] * inverses[k]).astype(grads[k].dtype) for k in self.names}
-
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,8 +327,8 @@ class StackedBlock:
     return jax.vmap(lambda i, g: self.inner.statistics(i, g, terms),
                     in_axes=(0, 1))(tuple(inputs), tuple(output_grads))
 
-  def inverses(self, factors, damping, method):
-    return jax.vmap(lambda f: self.inner.inverses(f, damping, method))(factors)
+  def damped(self, factors, damping):
+    return jax.vmap(lambda f: self.inner.damped(f, damping))(factors)
 
   def precondition(self, inverses, grads):
     return jax.vmap(self.inner.precondition)(inverses, grads)

@@ -1,4 +1,12 @@
-"""Damped factor inverses and the π-adjusted split of the damping."""
+"""Damped factor inverses, the π-adjusted split of the damping, and batching.
+
+Every factor inverse of a refresh goes through `invert_all`: matrices of
+similar size are stacked into buckets and inverted in one vmapped call per
+bucket, optionally with the stack sharded over devices.
+"""
+
+import math
+from typing import Any, Iterable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,3 +69,94 @@ def damped_inverse(matrix: jax.Array, damping: jax.Array, method: str) -> jax.Ar
     factor = jax.scipy.linalg.cho_factor(matrix + damping * identity, lower=True)
     return jax.scipy.linalg.cho_solve(factor, identity)
   raise ValueError(f"inverse must be one of {INVERSE_METHODS}, got {method!r}")
+
+
+class Damped(NamedTuple):
+  """Symmetric PSD matrices ``(..., d, d)`` to invert with ``damping`` (...) added."""
+  matrix: jax.Array
+  damping: jax.Array
+
+
+def bucket_sizes(sizes: Iterable[int], max_padding: float = 1.25) -> dict[int, int]:
+  """Assigns each matrix size the (padded) size of the stack it is inverted in.
+
+  Sizes are taken largest first; a size joins the smallest existing bucket
+  whose inversion costs at most ``max_padding`` times its own (cost ∝ d³),
+  else it opens a bucket of its own. Fewer, fuller stacks split more evenly
+  over devices; the padding bounds the extra work.
+
+  Args:
+    sizes: matrix sizes ``d``.
+    max_padding: the largest allowed ``(D / d)³`` for padding d up to D.
+
+  Returns:
+    ``{d: D}`` for every distinct size.
+  """
+  buckets, assigned = [], {}
+  for size in sorted(set(sizes), reverse=True):
+    fitting = [top for top in buckets if top**3 <= max_padding * size**3]
+    if fitting:
+      assigned[size] = min(fitting)
+    else:
+      buckets.append(size)
+      assigned[size] = size
+  return assigned
+
+
+def invert_all(tree: Any, method: str, stack_sharding: Any = None,
+               max_padding: float = 1.25) -> Any:
+  """Replaces every `Damped` leaf of ``tree`` by its damped inverse, batched.
+
+  Matrices are grouped by `bucket_sizes`, padded to their bucket's size with
+  an identity block (which leaves the inverse's leading block unchanged:
+  ``[[M, 0], [0, I]] + δI`` inverts blockwise), stacked and inverted in one
+  vmapped call per bucket. With ``stack_sharding`` each stack is padded to a
+  multiple of its ``num_shards`` and sharded along the stack axis, so every
+  device inverts only its share, then gathered back to every device.
+
+  Args:
+    tree: any pytree; `Damped` leaves are inverted, other leaves kept.
+    method: see `damped_inverse`.
+    stack_sharding: ``None`` or an object with ``num_shards`` and
+      ``split(stack)`` / ``gather(stack)`` (see `kfac_optax.sharding`).
+    max_padding: see `bucket_sizes`.
+
+  Returns:
+    ``tree`` with each `Damped` leaf replaced by an array of its matrix's shape.
+  """
+  is_damped = lambda x: isinstance(x, Damped)
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=is_damped)
+  requests = {i: leaf for i, leaf in enumerate(leaves) if is_damped(leaf)}
+  buckets = bucket_sizes(leaf.matrix.shape[-1] for leaf in requests.values())
+  results = list(leaves)
+  for bucket in sorted(set(buckets.values())):
+    members = [i for i, leaf in requests.items()
+               if buckets[leaf.matrix.shape[-1]] == bucket]
+    matrices, dampings = [], []
+    for i in members:
+      matrix = requests[i].matrix.astype(jnp.float32)
+      size = matrix.shape[-1]
+      matrix = matrix.reshape(-1, size, size)
+      if size < bucket:
+        padded = jnp.pad(matrix, ((0, 0), (0, bucket - size), (0, bucket - size)))
+        matrix = padded + jnp.diag(jnp.arange(bucket) >= size).astype(jnp.float32)
+      matrices.append(matrix)
+      dampings.append(jnp.broadcast_to(requests[i].damping, requests[i].matrix.shape[:-2])
+                      .reshape(-1).astype(jnp.float32))
+    stack, damping = jnp.concatenate(matrices), jnp.concatenate(dampings)
+    count = len(stack)
+    if stack_sharding is not None:
+      extra = -count % stack_sharding.num_shards
+      stack = jnp.concatenate([stack, jnp.broadcast_to(jnp.eye(bucket), (extra, bucket, bucket))])
+      damping = jnp.concatenate([damping, jnp.ones((extra,), jnp.float32)])
+      stack, damping = stack_sharding.split(stack), stack_sharding.split(damping)
+    inverted = jax.vmap(lambda m, d: damped_inverse(m, d, method))(stack, damping)
+    if stack_sharding is not None:
+      inverted = stack_sharding.gather(inverted)
+    offset = 0
+    for i in members:
+      shape = requests[i].matrix.shape
+      size, num = shape[-1], math.prod(shape[:-2])
+      results[i] = inverted[offset:offset + num, :size, :size].reshape(shape)
+      offset += num
+  return treedef.unflatten(results)

@@ -16,6 +16,7 @@ from kfac_optax import blocks
 from kfac_optax import capture
 from kfac_optax import linalg
 from kfac_optax import losses
+from kfac_optax import sharding
 
 Path = tuple[str, ...]
 FALLBACK = "<diagonal>"  # state key of the diagonal fallback block
@@ -121,6 +122,7 @@ def scale_by_kfac(
     num_samples: int = 1,
     apply_kwargs: dict[str, Any] | None = None,
     layer_overrides: dict[str, str] | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Preconditions gradients with K-FAC's damped Kronecker-factored Fisher.
 
@@ -166,6 +168,11 @@ def scale_by_kfac(
       the first matching pattern wins. ``"skip"`` leaves the layer's
       gradients unpreconditioned; ``"diagonal"`` gives its params the
       diagonal block instead of their structured one.
+    mesh: devices to spread the inverse refresh over. Factor matrices of
+      similar size are stacked (`linalg.invert_all`) and each stack is split
+      over all mesh axes, so each of N devices inverts about 1/N of them,
+      then the inverses are all-gathered. Default: the context mesh
+      (``jax.set_mesh``) if any, else no distribution.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes
@@ -310,9 +317,11 @@ def scale_by_kfac(
             jnp.where(finite, new_count, stats_count))
 
   def refresh_inverses(plan, factors, old_inverses, damping_now):
-    fresh = {}
-    for key, block in plan.all_blocks().items():
-      new = block.inverses(factors[key], damping_now, inverse)
+    fresh = linalg.invert_all(
+        {key: block.damped(factors[key], damping_now)
+         for key, block in plan.all_blocks().items()},
+        inverse, sharding.stack_sharding(mesh))
+    for key, new in fresh.items():
       ok = _all_finite(new)  # a failed factorisation keeps the last inverse
       fresh[key] = jax.tree.map(lambda n, o, ok=ok: jnp.where(ok, n, o),
                                 new, old_inverses[key])
@@ -342,10 +351,9 @@ def scale_by_kfac(
     # batch-sharded axis (in the model's own layers too) would need its output
     # sharding named. K-FAC's pass runs with those axes made Auto instead, so
     # XLA propagates shardings (and all-reduces the statistics) as under Auto
-    # axes; the updates keep the gradients' shardings, the state is replicated.
-    out_sharding = (
-        jax.tree.map(lambda u: jax.typeof(u).sharding.spec, updates),
-        jax.tree.map(lambda _: jax.sharding.PartitionSpec(), state))
+    # axes; the updates and the state keep their shardings.
+    out_sharding = jax.tree.map(lambda x: jax.typeof(x).sharding.spec,
+                                (updates, state))
     return jax.sharding.auto_axes(update_with, axes=explicit,
                                   out_sharding=out_sharding)(
                                       updates, state, params, batch, variables, rng)
@@ -420,6 +428,7 @@ def kfac(
     num_samples: int = 1,
     apply_kwargs: dict[str, Any] | None = None,
     layer_overrides: dict[str, str] | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC with momentum and a learning rate: the optimizer to drop in.
 
@@ -445,6 +454,7 @@ def kfac(
     num_samples: see `scale_by_kfac`.
     apply_kwargs: see `scale_by_kfac`.
     layer_overrides: see `scale_by_kfac`.
+    mesh: see `scale_by_kfac`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update`` needs
@@ -457,6 +467,6 @@ def kfac(
           inverse_update_period=inverse_update_period,
           stats_update_period=stats_update_period, estimation=estimation,
           inverse=inverse, num_samples=num_samples, apply_kwargs=apply_kwargs,
-          layer_overrides=layer_overrides),
+          layer_overrides=layer_overrides, mesh=mesh),
       optax.inject_hyperparams(optax.trace)(decay=momentum),
       optax.scale_by_learning_rate(learning_rate))
