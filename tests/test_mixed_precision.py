@@ -1,0 +1,65 @@
+"""Low-precision models: statistics, inverses and preconditioning in float32."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kfac_optax
+from tests import brute_force as bf
+
+
+class Net(nn.Module):
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    kwargs = dict(dtype=self.dtype, param_dtype=self.dtype)
+    x = jnp.tanh(nn.Conv(4, (3, 3), **kwargs)(x))
+    x = nn.LayerNorm(**kwargs)(x).reshape(x.shape[0], -1)
+    return nn.Dense(5, **kwargs)(x)
+
+
+def _update(dtype):
+  """One jitted K-FAC update of ``Net(dtype)``: (params, grads, updates, state)."""
+  x = jax.random.normal(jax.random.key(0), (16, 6, 6, 2)).astype(dtype)
+  batch = (x, jnp.arange(16) % 5)
+  model, loss = Net(dtype), kfac_optax.losses.softmax_cross_entropy()
+  params = jax.tree.map(lambda p: p.astype(dtype),
+                        Net().init(jax.random.key(1), x.astype(jnp.float32))["params"])
+  # A small damping makes the inverses ill-conditioned: preconditioning with
+  # inverses rounded to the parameter dtype would be far off.
+  tx = kfac_optax.scale_by_kfac(model.apply, loss, example_batch=batch,
+                                estimation="empirical", damping=1e-3)
+  grads = jax.grad(lambda p: loss.value(model.apply({"params": p}, x), batch))(params)
+  updates, state = jax.jit(
+      lambda g, s: tx.update(g, s, params, batch=batch))(grads, tx.init(params))
+  return params, grads, updates, state
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_params_get_float32_curvature(dtype):
+  params, grads, updates, state = _update(dtype)
+
+  # Updates come back in the parameter dtype; everything K-FAC keeps is float32.
+  assert all(u.dtype == dtype for u in jax.tree.leaves(updates))
+  assert {leaf.dtype for leaf in jax.tree.leaves((state.factors, state.inverses))} == {
+      jnp.dtype(jnp.float32)}
+
+  # The Dense block's update is the float32 inverses applied to the
+  # low-precision gradient, rounded once to the parameter dtype.
+  inverse = state.inverses["Dense_0"]
+  v = np.concatenate([np.asarray(grads["Dense_0"]["kernel"], np.float64),
+                      np.asarray(grads["Dense_0"]["bias"], np.float64)[None]])
+  expected = (np.asarray(inverse.a[0], np.float64) @ v
+              @ np.asarray(inverse.g[0], np.float64))
+  actual = np.concatenate([updates["Dense_0"]["kernel"],
+                           updates["Dense_0"]["bias"][None]]).astype(np.float64)
+  assert bf.relative_error(actual, expected) < 1e-2
+  assert np.all(np.isfinite(actual))
+
+  # The statistics agree with a float32 model's up to the rounding of the
+  # low-precision activations and gradients.
+  _, _, _, reference = _update(jnp.float32)
+  assert bf.relative_error(state.factors, jax.tree.map(np.asarray, reference.factors)) < 5e-2
