@@ -101,12 +101,16 @@ class KroneckerBlock:
         NLL with respect to the layer output.
       terms: L and the term mask.
     """
+    return KroneckerFactors(self.input_factor(inputs, terms),
+                            _output_factor(self.layout, output_grads, terms))
+
+  def input_factor(self, inputs: Sequence[jax.Array], terms: losses.Terms) -> jax.Array:
+    """``A``: the mean of ``ā āᵀ`` over every (unmasked) row of every call."""
     a, num_rows = 0.0, 0.0
     for x in inputs:
       gram, count = self._input_gram(x, terms)
       a, num_rows = a + gram, num_rows + count
-    return KroneckerFactors(a / num_rows,
-                            _output_factor(self.layout, output_grads, terms))
+    return a / num_rows
 
   def _rows(self, x: jax.Array) -> jax.Array:
     rows = self.layout.input_rows(x)
@@ -178,46 +182,102 @@ class KroneckerBlock:
 
 @dataclasses.dataclass(frozen=True)
 class EmbeddingBlock:
-  """An embedding lookup: ``A`` is diagonal (token frequencies), ``G`` full.
+  """An embedding ``E`` (vocab × features): ``A`` diagonal, ``G`` full.
+
+  Lookups (``__call__``) are a dense layer on one-hot rows, so
 
   .. math::
     A = \\operatorname{diag}(c / R),\\quad
+    G = \\frac{1}{L}\\sum_{rows} g g^T,\\quad
     U = (A + π\\sqrt{λ} I)^{-1} V (G + \\sqrt{λ}/π I)^{-1}
 
   with ``c`` the count of each token id over all ``R`` looked-up positions,
   stored as a vector, so no vocab × vocab matrix ever exists.
+
+  With tied embeddings (``tied``: ``attend(q) = q Eᵀ`` produces logits) ``E``
+  is also a dense layer from queries to logits, whose Fisher block in ``E``'s
+  orientation is ``diag(G_logits) ⊗ A_q``: the logits' gradient second moment
+  (its diagonal only: it is vocab × vocab) on the vocab side and the queries'
+  second moment on the feature side. The two uses ``i`` (Fisher blocks
+  ``D_i ⊗ F_i``) are combined into one Kronecker product that keeps the
+  trace and is exact when one use dominates:
+
+  .. math::
+    t_i = \\bar D_i \\bar F_i,\\quad T = \\sum_i t_i,\\quad
+    A = \\sum_i t_i D_i / \\bar D_i,\\quad
+    G = \\sum_i \\frac{t_i}{T} F_i / \\bar F_i
+
+  where ``X̄`` is the mean eigenvalue. The statistics of each use are kept
+  (and averaged) apart, along the factors' leading axis: lookup, then attend.
+
+  Attributes:
+    layout: vocabulary and feature sizes.
+    tied: whether ``attend`` is called too.
   """
 
   layout: layouts.EmbeddingLayout
+  tied: bool = False
   param_names = ("embedding",)
 
   def init(self) -> tuple[KroneckerFactors, KroneckerFactors]:
-    vocab, out = self.layout.vocab, self.layout.out_dim
-    zeros = KroneckerFactors(jnp.zeros((1, vocab)), jnp.zeros((1, out, out)))
+    vocab, out, uses = self.layout.vocab, self.layout.out_dim, 1 + self.tied
+    zeros = KroneckerFactors(jnp.zeros((uses, vocab)), jnp.zeros((uses, out, out)))
     return zeros, KroneckerFactors(jnp.ones((1, vocab)), jnp.eye(out)[None])
 
-  def statistics(self, inputs, output_grads, terms) -> KroneckerFactors:
+  def statistics(self, inputs, output_grads, terms, attend=None) -> KroneckerFactors:
+    """Lookup statistics (and with ``attend=(queries, logit grads)`` the tied use's)."""
     counts, total = jnp.zeros((self.layout.vocab,), jnp.float32), 0.0
     for ids in inputs:
       weights = terms.row_weights(ids.shape, ids.size)
       weights = jnp.ones(ids.size) if weights is None else weights
       counts = counts.at[jnp.ravel(ids)].add(weights)
       total = total + jnp.sum(weights)
-    return KroneckerFactors((counts / total)[None],
-                            _output_factor(self.layout, output_grads, terms))
+    lookup = KroneckerFactors((counts / total)[None],
+                              _output_factor(self.layout, output_grads, terms))
+    if not self.tied:
+      return lookup
+    queries, logit_grads = attend
+    projection = KroneckerBlock(layouts.dense(self.layout.features, self.layout.vocab),
+                                has_bias=False)
+    logits_diagonal = sum(
+        jnp.sum(jnp.square(g.astype(jnp.float32))
+                * _mask_like(terms, g.shape[1:])[None], tuple(range(g.ndim - 1)))
+        for g in logit_grads) / terms.count
+    return KroneckerFactors(
+        jnp.concatenate([lookup.a, logits_diagonal[None]]),
+        jnp.concatenate([lookup.g, projection.input_factor(queries, terms)]))
 
   def damped(self, factors, damping) -> KroneckerFactors:
     """The diagonal ``A`` inverted here; ``G`` with its damping, to invert."""
     a, g = factors.a[0], factors.g[0]
+    if self.tied:
+      a, g = _combined_kronecker(factors.a, factors.g)
     damping_a, damping_g = linalg.pi_adjusted_damping(
         jnp.mean(a), linalg.mean_eigenvalue(g), damping)
     return KroneckerFactors((1.0 / (a + damping_a))[None],
-                            linalg.Damped(factors.g, damping_g[None]))
+                            linalg.Damped(g[None], damping_g[None]))
 
   def precondition(self, inverses, grads) -> dict:
     v = grads["embedding"]
     u = inverses.a[0][:, None] * v.astype(jnp.float32) @ inverses.g[0]
     return {"embedding": u.astype(v.dtype)}
+
+
+def _mask_like(terms: losses.Terms, shape: tuple) -> jax.Array:
+  """1 at the unmasked terms of an array of ``shape`` (broadcast over the rest)."""
+  mask = terms.mask_for(shape)
+  return jnp.ones(()) if mask is None else mask
+
+
+def _combined_kronecker(diagonals: jax.Array, matrices: jax.Array):
+  """``Σ_i D_i ⊗ F_i ≈ A ⊗ G`` (see `EmbeddingBlock`), ``D_i`` diagonal."""
+  mean_d = jnp.mean(diagonals, 1)
+  mean_f = jax.vmap(linalg.mean_eigenvalue)(matrices)
+  weights = mean_d * mean_f
+  safe = lambda x: jnp.where(x > 0, x, 1.0)
+  a = jnp.einsum("i,iv->v", weights / safe(mean_d), diagonals)
+  g = jnp.einsum("i,ijk->jk", weights / safe(mean_f) / safe(jnp.sum(weights)), matrices)
+  return a, g
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,7 +394,8 @@ class StackedBlock:
     return jax.vmap(self.inner.precondition)(inverses, grads)
 
 
-def block_for(layout: Any, layer_params: dict, stack_shape: tuple = ()) -> Any:
+def block_for(layout: Any, layer_params: dict, stack_shape: tuple = (),
+              other_methods: tuple[str, ...] = ()) -> Any:
   """The curvature block of a captured layer, from its layout and params.
 
   Args:
@@ -342,18 +403,24 @@ def block_for(layout: Any, layer_params: dict, stack_shape: tuple = ()) -> Any:
     layer_params: the layer's param leaves (arrays or shape structs).
     stack_shape: leading axes that the params, inputs and output gradients
       share (nn.scan layer stacks); each slice gets its own block.
+    other_methods: the layer's other captured methods that the model calls
+      (``"attend"``: a tied embedding).
   """
   slice_params = {k: jax.ShapeDtypeStruct(v.shape[len(stack_shape):], v.dtype)
                   for k, v in layer_params.items()}
-  block = _unstacked_block(layout, slice_params)
+  block = _unstacked_block(layout, slice_params, other_methods)
+  if stack_shape and other_methods:
+    raise NotImplementedError(
+        f"{other_methods} calls of a layer stacked by a lifted transform are "
+        "not supported; give the layer the diagonal block with layer_overrides")
   for size in reversed(stack_shape):
     block = StackedBlock(block, size)
   return block
 
 
-def _unstacked_block(layout: Any, layer_params: dict) -> Any:
+def _unstacked_block(layout: Any, layer_params: dict, other_methods: tuple) -> Any:
   if isinstance(layout, layouts.EmbeddingLayout):
-    return EmbeddingBlock(layout)
+    return EmbeddingBlock(layout, tied="attend" in other_methods)
   if isinstance(layout, layouts.NormLayout):
     return NormBlock({k: v.shape for k, v in layer_params.items()}, layout)
   return KroneckerBlock(layout, "bias" in layer_params)

@@ -9,11 +9,16 @@ call of a captured layer (see `layers.py`)
   output (one variable per call), so that the gradient with respect to the
   perturbation is the gradient with respect to the layer output.
 
+A layer kind may name other methods to capture the same way (``nn.Embed``'s
+``attend``, the output projection of tied embeddings); their entries carry the
+method name (``kfac_in_attend``, ``kfac_attend_out_0``).
+
 Both travel as flax collections, never Python lists, so they follow the
 module through lifted transforms the way any other variable does. This module
 knows nothing about curvature blocks or inverses.
 """
 
+import re
 from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.linen as nn
@@ -25,10 +30,19 @@ from kfac_optax import layers
 
 INPUTS = "kfac_inputs"
 PERTURBATIONS = "kfac_perturbations"
-_INPUT_NAME = "kfac_in"
-_OUTPUT_PREFIX = "kfac_out_"
+CALL = "__call__"
+_INPUT_NAME = re.compile(r"kfac_in(?:_(\w+))?$")
+_OUTPUT_NAME = re.compile(r"kfac_(?:(\w+)_)?out_(\d+)$")
 
 Path = tuple[str, ...]
+
+
+def _input_name(method: str) -> str:
+  return "kfac_in" if method == CALL else f"kfac_in_{method}"
+
+
+def _output_name(method: str, call: int) -> str:
+  return f"kfac_out_{call}" if method == CALL else f"kfac_{method}_out_{call}"
 
 
 class _Interceptor:
@@ -41,23 +55,26 @@ class _Interceptor:
     self.busy = False  # a kind's own helper calls are not layer calls
 
   def __call__(self, next_fun, args, kwargs, context):
-    module = context.module
+    module, method = context.module, context.method_name
     kind = layers.kind_of(module)
-    if self.busy or kind is None or context.method_name != "__call__":
+    if self.busy or kind is None or method not in (CALL, *kind.extra_methods):
       return next_fun(*args, **kwargs)
-    previous_calls = module.get_variable(INPUTS, _INPUT_NAME, ())
+    previous_calls = module.get_variable(INPUTS, _input_name(method), ())
     output = next_fun(*args, **kwargs)
-    self.busy = True
-    try:
-      captured = kind.captured_input(module, args, kwargs, output)
-    finally:
-      self.busy = False
-    module.sow(INPUTS, _INPUT_NAME, captured)
-    if self.layouts is not None:
+    if method == CALL:
+      self.busy = True
+      try:
+        captured = kind.captured_input(module, args, kwargs, output)
+      finally:
+        self.busy = False
+    else:  # other methods record their first argument
+      captured = args[0] if args else next(iter(kwargs.values()))
+    module.sow(INPUTS, _input_name(method), captured)
+    if self.layouts is not None and method == CALL:
       self._record(tuple(module.path), kind.layout(module, captured, output))
       self.output_shapes[tuple(module.path)] = jnp.shape(output)
-    return module.perturb(
-        f"{_OUTPUT_PREFIX}{len(previous_calls)}", output, collection=PERTURBATIONS)
+    return module.perturb(_output_name(method, len(previous_calls)), output,
+                          collection=PERTURBATIONS)
 
   def _record(self, path: Path, layout: Any) -> None:
     if self.layouts.setdefault(path, layout) != layout:
@@ -76,6 +93,8 @@ class Discovered(NamedTuple):
     num_calls: module path -> how many calls reached the collections. A path
       in ``layouts`` but not here ran inside a lifted transform (nn.scan,
       nn.vmap, ...) that did not carry K-FAC's collections.
+    other_methods: module path -> the names of its other captured methods
+      that were called (e.g. ``("attend",)`` for a tied embedding).
     output_shapes: module path -> output shape as the layer itself saw it;
       the collections' arrays have extra leading axes where a lifted
       transform stacked them (e.g. the layer axis of nn.scan).
@@ -84,6 +103,7 @@ class Discovered(NamedTuple):
   """
   layouts: dict[Path, Any]
   num_calls: dict[Path, int]
+  other_methods: dict[Path, tuple[str, ...]]
   output_shapes: dict[Path, tuple[int, ...]]
   perturbations: Any
 
@@ -128,25 +148,39 @@ def discover(
   run = hooked_apply(apply_fn, args, apply_kwargs, mutable,
                      _Interceptor(found, shapes))
   _, collections = jax.eval_shape(run, variables)
-  inputs = by_layer(collections.get(INPUTS, {}))
+  inputs = _by_method(collections.get(INPUTS, {}))
+  other_methods = {}
+  for method, by_path in inputs.items():
+    for path in by_path if method != CALL else ():
+      other_methods[path] = (*other_methods.get(path, ()), method)
   return Discovered(
       layouts=found,
-      num_calls={path: len(calls) for path, calls in inputs.items()},
+      num_calls={path: len(calls) for path, calls in inputs.get(CALL, {}).items()},
+      other_methods=other_methods,
       output_shapes=shapes,
       perturbations=collections.get(PERTURBATIONS, {}))
 
 
-def by_layer(collection: Any) -> dict[Path, tuple[Any, ...]]:
-  """A ``kfac_inputs`` or ``kfac_perturbations`` tree -> {path: per-call tuple}."""
-  grouped: dict[Path, dict[int, Any]] = {}
+def _by_method(collection: Any) -> dict[str, dict[Path, tuple[Any, ...]]]:
+  """A ``kfac_inputs`` or ``kfac_perturbations`` tree -> {method: {path: calls}}."""
+  grouped: dict[str, dict[Path, dict[int, Any]]] = {}
   for key, value in traverse_util.flatten_dict(collection).items():
     path, name = key[:-1], key[-1]
-    if name == _INPUT_NAME:
-      grouped[path] = dict(enumerate(value))
+    if match := _INPUT_NAME.match(name):
+      calls = dict(enumerate(value))
     else:
-      grouped.setdefault(path, {})[int(name[len(_OUTPUT_PREFIX):])] = value
-  return {path: tuple(calls[i] for i in sorted(calls))
-          for path, calls in grouped.items()}
+      match = _OUTPUT_NAME.match(name)
+      calls = {int(match.group(2)): value}
+    by_path = grouped.setdefault(match.group(1) or CALL, {})
+    by_path.setdefault(path, {}).update(calls)
+  return {method: {path: tuple(calls[i] for i in sorted(calls))
+                   for path, calls in by_path.items()}
+          for method, by_path in grouped.items()}
+
+
+def by_layer(collection: Any, method: str = CALL) -> dict[Path, tuple[Any, ...]]:
+  """A ``kfac_inputs`` or ``kfac_perturbations`` tree -> {path: per-call tuple}."""
+  return _by_method(collection).get(method, {})
 
 
 class Captured(NamedTuple):
@@ -158,11 +192,14 @@ class Captured(NamedTuple):
     output_grads: module path -> per-call output gradients, each with a
       leading axis of size K (one per cotangent).
     primal_grads: gradients of the extra primals, leading axis K.
+    other_methods: method name -> (inputs, output_grads) of the calls of
+      that method (e.g. ``"attend"``), laid out like the fields above.
   """
   outputs: Any
   inputs: dict[Path, tuple[jax.Array, ...]]
   output_grads: dict[Path, tuple[jax.Array, ...]]
   primal_grads: Any
+  other_methods: dict[str, tuple[dict, dict]]
 
 
 def capture(
@@ -185,8 +222,9 @@ def capture(
   """
   outputs, vjp_fn, inputs = jax.vjp(model, primals, perturbations, has_aux=True)
   primal_grads, perturbation_grads = jax.vmap(vjp_fn)(cotangents_fn(outputs))
-  return Captured(outputs, by_layer(inputs), by_layer(perturbation_grads),
-                  primal_grads)
+  inputs, grads = _by_method(inputs), _by_method(perturbation_grads)
+  return Captured(outputs, inputs.get(CALL, {}), grads.get(CALL, {}), primal_grads,
+                  {m: (inputs[m], grads[m]) for m in inputs if m != CALL})
 
 
 def not_threaded_error(path: Path) -> ValueError:

@@ -29,9 +29,12 @@ class Kind:
     layout: ``(module, layer_input, layer_output) -> layout``.
     captured_input: ``(module, args, kwargs, output) -> array`` to record as
       the layer's input (default: the first argument).
+    extra_methods: other methods whose calls are captured too (input: their
+      first argument), for blocks that use the parameters there as well.
   """
   layout: Callable[[nn.Module, Any, Any], Any]
   captured_input: Callable[..., Any] = _first_argument
+  extra_methods: tuple[str, ...] = ()
 
 
 def _as_tuple(value) -> tuple:
@@ -112,7 +115,7 @@ KINDS: dict[str, Kind] = {
     "dense": Kind(_dense),
     "dense_general": Kind(_dense_general),
     "conv": Kind(_conv),
-    "embed": Kind(_embed),
+    "embed": Kind(_embed, extra_methods=("attend",)),
     "norm": Kind(_norm, _normalized_input),
 }
 

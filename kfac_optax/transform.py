@@ -257,7 +257,7 @@ def scale_by_kfac(
         raise capture.not_threaded_error(path)
       block = blocks.block_for(layout, layer_params, _stack_shape(
           discovered.output_shapes[path], perturbations[path][0].shape,
-          layer_params))
+          layer_params), discovered.other_methods.get(path, ()))
       layers[_key(path)] = (path, block)
       owned.update(path + (name,) for name in block.param_names)
     fallback_paths = {_key(k): k for k in flat_params if k not in owned}
@@ -300,9 +300,12 @@ def scale_by_kfac(
         lambda outputs: losses.output_cotangents(
             loss, outputs, batch, estimation, sample_key, num_samples))
     terms = loss.terms(captured.outputs, batch)
-    stats = {key: block.statistics(captured.inputs[path],
-                                   captured.output_grads[path], terms)
-             for key, (path, block) in plan.layers.items()}
+    stats = {}
+    for key, (path, block) in plan.layers.items():
+      other_calls = {method: (inputs[path], grads[path]) for method, (inputs, grads)
+                     in captured.other_methods.items() if path in inputs}
+      stats[key] = block.statistics(captured.inputs[path],
+                                    captured.output_grads[path], terms, **other_calls)
     if plan.fallback is not None:
       stats[FALLBACK] = plan.fallback.statistics(captured.primal_grads, terms)
     return stats

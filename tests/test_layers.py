@@ -526,6 +526,64 @@ def test_embed_matches_brute_force():
   assert_block(state.factors["head"], out["head"], head_factors, head_update)
 
 
+class TiedLM(nn.Module):
+  """Tied embeddings: the same table looks tokens up and scores the logits."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    embed = nn.Embed(VOCAB, EMBED_DIM, name="embed")
+    h = jnp.tanh(nn.Dense(EMBED_DIM, use_bias=False, name="mix")(embed(tokens)))
+    return embed.attend(h)
+
+
+def test_tied_embedding_combines_lookup_and_attend_statistics():
+  n, t = 4, 5
+  rng = np.random.default_rng(4)
+  tokens = jnp.asarray(rng.integers(0, VOCAB, (n, t)), jnp.int32)
+  y = jnp.asarray(rng.integers(0, VOCAB, (n, t)), jnp.int32)  # a label per token
+  params = random_params(TiedLM(), tokens, seed=5)
+  grads = random_tree(params, seed=6)
+  out, state = kfac_step(TiedLM(), params, (tokens, y), grads)
+
+  def forward(perturbations):
+    table = params["embed"]["embedding"]
+    e = table[tokens] + perturbations["lookup"]
+    h = jnp.tanh(e @ params["mix"]["kernel"] + perturbations["mix"])
+    logits = h @ table.T + perturbations["attend"]
+    return summed_nll(logits.reshape(-1, VOCAB), y.reshape(-1)), h
+  zeros = {"lookup": jnp.zeros((n, t, EMBED_DIM)), "mix": jnp.zeros((n, t, EMBED_DIM)),
+           "attend": jnp.zeros((n, t, VOCAB))}
+  out_grads, h = jax.jit(jax.grad(forward, has_aux=True))(zeros)
+  num_terms = n * t
+
+  # Each use i of the table E (vocab x features) has a Fisher block D_i ⊗ F_i.
+  one_hot = np.eye(VOCAB)[np.asarray(tokens).reshape(-1)]
+  lookup_g = f64(out_grads["lookup"]).reshape(-1, EMBED_DIM)
+  logits_g = f64(out_grads["attend"]).reshape(-1, VOCAB)
+  queries = f64(h).reshape(-1, EMBED_DIM)
+  uses = [(one_hot.mean(0), lookup_g.T @ lookup_g / num_terms),      # lookup
+          ((logits_g**2).sum(0) / num_terms, queries.T @ queries / len(queries))]  # attend
+  # ... combined into one Kronecker product with the same trace.
+  t_i = [d.mean() * np.trace(f) / EMBED_DIM for d, f in uses]
+  a = sum(w * d / d.mean() for w, (d, _) in zip(t_i, uses))
+  g = sum(w / sum(t_i) * f / (np.trace(f) / EMBED_DIM) for w, (_, f) in zip(t_i, uses))
+  np.testing.assert_allclose(np.trace(np.kron(np.diag(a), g)),
+                             sum(np.trace(np.kron(np.diag(d), f)) for d, f in uses))
+  expected = bf.kronecker_precondition(
+      np.diag(a), g, grads["embed"]["embedding"], None, DAMPING)
+
+  assert state.factors["embed"].a.shape == (2, VOCAB)
+  assert bf.relative_error(state.factors["embed"].a, np.stack([d for d, _ in uses])) < 1e-4
+  assert bf.relative_error(state.factors["embed"].g, np.stack([f for _, f in uses])) < 1e-4
+  assert bf.relative_error(out["embed"], {"embedding": expected["kernel"]}) < 1e-3
+  for leaf in jax.tree.leaves((state.factors["embed"], state.inverses["embed"])):
+    assert leaf.shape.count(VOCAB) <= 1, leaf.shape
+  mix_factors, mix_update = dense_reference(
+      f64(params["embed"]["embedding"])[tokens], out_grads["mix"], num_terms,
+      grads["mix"])
+  assert_block(state.factors["mix"], out["mix"], mix_factors, mix_update)
+
+
 # --------------------------------------------------------------------------
 # 4. nn.MultiHeadDotProductAttention: four DenseGeneral projections.
 
