@@ -248,13 +248,13 @@ class EmbeddingBlock:
         jnp.concatenate([lookup.g, projection.input_factor(queries, terms)]))
 
   def damped(self, factors, damping) -> KroneckerFactors:
-    """The diagonal ``A`` inverted here; ``G`` with its damping, to invert."""
+    """The (combined) factors with their π-adjusted damping (`linalg.invert_all`)."""
     a, g = factors.a[0], factors.g[0]
     if self.tied:
       a, g = _combined_kronecker(factors.a, factors.g)
     damping_a, damping_g = linalg.pi_adjusted_damping(
         jnp.mean(a), linalg.mean_eigenvalue(g), damping)
-    return KroneckerFactors((1.0 / (a + damping_a))[None],
+    return KroneckerFactors(linalg.DampedDiagonal(a[None], damping_a),
                             linalg.Damped(g[None], damping_g[None]))
 
   def precondition(self, inverses, grads) -> dict:
@@ -315,8 +315,8 @@ class DiagonalBlock:
             for k in self.names}
 
   def damped(self, fisher: dict, damping: jax.Array) -> dict:
-    """The inverses themselves: a diagonal needs no factorisation."""
-    return {k: 1.0 / (fisher[k] + damping) for k in self.names}
+    """Each leaf's diagonal Fisher with the damping (`linalg.invert_all`)."""
+    return {k: linalg.DampedDiagonal(fisher[k], damping) for k in self.names}
 
   def precondition(self, inverses: dict, grads: dict) -> dict:
     return {k: (grads[k] * inverses[k]).astype(grads[k].dtype) for k in self.names}

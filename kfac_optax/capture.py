@@ -145,9 +145,11 @@ def discover(
   found, shapes = {}, {}
   if not isinstance(mutable, bool):
     mutable = [*mutable, INPUTS, PERTURBATIONS]
-  run = hooked_apply(apply_fn, args, apply_kwargs, mutable,
-                     _Interceptor(found, shapes))
-  _, collections = jax.eval_shape(run, variables)
+  interceptor = _Interceptor(found, shapes)
+  # The inputs go through eval_shape as arguments: they may be ShapeDtypeStructs.
+  _, collections = jax.eval_shape(
+      lambda v, a: hooked_apply(apply_fn, a, apply_kwargs, mutable, interceptor)(v),
+      variables, tuple(args))
   inputs = _by_method(collections.get(INPUTS, {}))
   other_methods = {}
   for method, by_path in inputs.items():

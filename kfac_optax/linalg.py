@@ -72,9 +72,32 @@ def damped_inverse(matrix: jax.Array, damping: jax.Array, method: str) -> jax.Ar
 
 
 class Damped(NamedTuple):
-  """Symmetric PSD matrices ``(..., d, d)`` to invert with ``damping`` (...) added."""
+  """Symmetric PSD matrices ``(..., d, d)`` with ``damping`` (...) to add."""
   matrix: jax.Array
   damping: jax.Array
+
+
+class DampedDiagonal(NamedTuple):
+  """Diagonal matrices, stored as their non-negative diagonal, with ``damping``."""
+  values: jax.Array
+  damping: jax.Array
+
+
+def damped_power(matrix: jax.Array, damping: jax.Array, power: float,
+                 method: str) -> jax.Array:
+  """``(M + damping·I)^power`` for a symmetric PSD ``M``.
+
+  ``power=-1`` uses `damped_inverse` with ``method``; ``power=1`` adds the
+  damping; any other power goes through ``eigh`` (eigenvalues clipped at 0).
+  """
+  if power == -1:
+    return damped_inverse(matrix, damping, method)
+  identity = jnp.eye(matrix.shape[-1], dtype=matrix.dtype)
+  if power == 1:
+    return matrix + damping * identity
+  eigenvalues, eigenvectors = jnp.linalg.eigh(matrix)
+  scale = (jnp.maximum(eigenvalues, 0.0) + damping) ** power
+  return (eigenvectors * scale) @ eigenvectors.T
 
 
 def bucket_sizes(sizes: Iterable[int], max_padding: float = 1.25) -> dict[int, int]:
@@ -104,31 +127,38 @@ def bucket_sizes(sizes: Iterable[int], max_padding: float = 1.25) -> dict[int, i
 
 
 def invert_all(tree: Any, method: str, stack_sharding: Any = None,
-               max_padding: float = 1.25) -> Any:
+               max_padding: float = 1.25, power: float = -1) -> Any:
   """Replaces every `Damped` leaf of ``tree`` by its damped inverse, batched.
+
+  (Or, with ``power``, by any power of it; `DampedDiagonal` leaves likewise,
+  elementwise.)
 
   Matrices are grouped by `bucket_sizes`, padded to their bucket's size with
   an identity block (which leaves the inverse's leading block unchanged:
   ``[[M, 0], [0, I]] + δI`` inverts blockwise), stacked and inverted in one
-  vmapped call per bucket. With ``stack_sharding`` each stack is padded to a
-  multiple of its ``num_shards`` and sharded along the stack axis, so every
-  device inverts only its share, then gathered back to every device.
+  call per bucket (see `_over_stack`). With ``stack_sharding`` each stack is
+  padded to a multiple of its ``num_shards`` and split along the stack axis,
+  so every device inverts only its share, then gathered back to every device.
 
   Args:
-    tree: any pytree; `Damped` leaves are inverted, other leaves kept.
+    tree: any pytree; `Damped` and `DampedDiagonal` leaves are inverted,
+      other leaves kept.
     method: see `damped_inverse`.
     stack_sharding: ``None`` or an object with ``num_shards`` and
-      ``split(stack)`` / ``gather(stack)`` (see `kfac_optax.sharding`).
+      ``map(f, *stacks)``, which applies ``f`` to each device's share of the
+      stacks and gathers the result (see `kfac_optax.sharding`).
     max_padding: see `bucket_sizes`.
+    power: the exponent (see `damped_power`).
 
   Returns:
     ``tree`` with each `Damped` leaf replaced by an array of its matrix's shape.
   """
-  is_damped = lambda x: isinstance(x, Damped)
+  is_damped = lambda x: isinstance(x, (Damped, DampedDiagonal))
   leaves, treedef = jax.tree.flatten(tree, is_leaf=is_damped)
-  requests = {i: leaf for i, leaf in enumerate(leaves) if is_damped(leaf)}
+  results = [_diagonal_power(leaf, power) if isinstance(leaf, DampedDiagonal)
+             else leaf for leaf in leaves]
+  requests = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, Damped)}
   buckets = bucket_sizes(leaf.matrix.shape[-1] for leaf in requests.values())
-  results = list(leaves)
   for bucket in sorted(set(buckets.values())):
     members = [i for i, leaf in requests.items()
                if buckets[leaf.matrix.shape[-1]] == bucket]
@@ -145,14 +175,15 @@ def invert_all(tree: Any, method: str, stack_sharding: Any = None,
                       .reshape(-1).astype(jnp.float32))
     stack, damping = jnp.concatenate(matrices), jnp.concatenate(dampings)
     count = len(stack)
-    if stack_sharding is not None:
+    each = lambda m, d: damped_power(m, d, power, method)
+    if stack_sharding is None:
+      inverted = _over_stack(each, stack, damping)
+    else:
       extra = -count % stack_sharding.num_shards
       stack = jnp.concatenate([stack, jnp.broadcast_to(jnp.eye(bucket), (extra, bucket, bucket))])
       damping = jnp.concatenate([damping, jnp.ones((extra,), jnp.float32)])
-      stack, damping = stack_sharding.split(stack), stack_sharding.split(damping)
-    inverted = jax.vmap(lambda m, d: damped_inverse(m, d, method))(stack, damping)
-    if stack_sharding is not None:
-      inverted = stack_sharding.gather(inverted)
+      inverted = stack_sharding.map(
+          lambda s, d: _over_stack(each, s, d), stack, damping)
     offset = 0
     for i in members:
       shape = requests[i].matrix.shape
@@ -160,3 +191,24 @@ def invert_all(tree: Any, method: str, stack_sharding: Any = None,
       results[i] = inverted[offset:offset + num, :size, :size].reshape(shape)
       offset += num
   return treedef.unflatten(results)
+
+
+def _diagonal_power(diagonal: DampedDiagonal, power: float) -> jax.Array:
+  # The damping's axes lead the values' (both gain the same vmapped axes).
+  damping = jnp.reshape(diagonal.damping, jnp.shape(diagonal.damping)
+                        + (1,) * (diagonal.values.ndim - jnp.ndim(diagonal.damping)))
+  return (jnp.maximum(diagonal.values, 0.0) + damping) ** power
+
+
+def _over_stack(each, stack: jax.Array, damping: jax.Array) -> jax.Array:
+  """``each`` over a stack of matrices: vmapped, but one at a time on CPU.
+
+  On CPU a batched eigh/Cholesky is one LAPACK custom call that fans the
+  batch out over XLA's intra-op thread pool and blocks until it is done;
+  two such calls running at once can each wait for the other's queued work
+  and deadlock a small pool (seen with jaxlib 0.10 on 2 cores). `lax.map`
+  keeps every CPU call to a single matrix.
+  """
+  if jax.default_backend() == "cpu":
+    return jax.lax.map(lambda args: each(*args), (stack, damping))
+  return jax.vmap(each)(stack, damping)

@@ -5,10 +5,11 @@ the model output ``f``. It reduces its event axis (the last axis of ``f``) and
 averages over every leading axis, so a batch holding ``L`` terms (examples, or
 examples x positions) has loss ``(1/L) sum_i -log p(y_i | f_i)``.
 
-Besides its value, K-FAC needs three things from a loss: samples ``y ~ p(y|f)``
+Besides its value, K-FAC needs from a loss: samples ``y ~ p(y|f)``
 (``estimation="fisher"``), a square root of the output Fisher
-``F_out = E_y[∇_f log p ∇_f log pᵀ]`` (``estimation="exact"``), and the
-gradient of the summed NLL with respect to ``f`` (every mode).
+``F_out = E_y[∇_f log p ∇_f log pᵀ]`` (``"exact"``, ``"curvature_prop"``),
+the gradient of the summed NLL with respect to ``f`` (every mode), and the
+product ``F_out u`` (exact curvature-vector products).
 """
 
 import dataclasses
@@ -20,7 +21,7 @@ import optax
 
 Batch = Any
 Estimation = str
-ESTIMATIONS = ("fisher", "empirical", "exact")
+ESTIMATIONS = ("fisher", "empirical", "exact", "curvature_prop")
 
 
 def _second_element(batch: Batch) -> jax.Array:
@@ -61,6 +62,10 @@ class PredictiveLoss:
     """
     raise NotImplementedError
 
+  def fisher_product(self, outputs: jax.Array, u: jax.Array) -> jax.Array:
+    """``F_out u`` per term, for ``u`` of shape ``(..., *outputs.shape)``."""
+    raise NotImplementedError
+
   def value(self, outputs: jax.Array, batch: Batch) -> jax.Array:
     """The training loss: the mean NLL over the (unmasked) terms of the batch."""
     nll = self.nll(outputs, self.targets(batch))
@@ -99,6 +104,10 @@ class Categorical(PredictiveLoss):
     columns = _diagonal_embed(root_p) - root_p[..., :, None] * p[..., None, :]
     return jnp.moveaxis(columns, -2, 0)
 
+  def fisher_product(self, outputs, u):
+    p = jax.nn.softmax(outputs.astype(jnp.float32))
+    return p * u - p * jnp.sum(p * u, -1, keepdims=True)
+
 
 class Bernoulli(PredictiveLoss):
   """Independent Bernoulli per output unit, summed over the last axis.
@@ -119,6 +128,10 @@ class Bernoulli(PredictiveLoss):
     probs = jax.nn.sigmoid(outputs.astype(jnp.float32))
     return jnp.moveaxis(_diagonal_embed(jnp.sqrt(probs * (1 - probs))), -2, 0)
 
+  def fisher_product(self, outputs, u):
+    probs = jax.nn.sigmoid(outputs.astype(jnp.float32))
+    return probs * (1 - probs) * u
+
 
 class Gaussian(PredictiveLoss):
   """Unit-variance Gaussian: ``0.5 ||y - f||²`` over the last axis.
@@ -137,6 +150,9 @@ class Gaussian(PredictiveLoss):
   def fisher_sqrt(self, outputs):
     ones = jnp.ones(outputs.shape, jnp.float32)
     return jnp.moveaxis(_diagonal_embed(ones), -2, 0)
+
+  def fisher_product(self, outputs, u):
+    return u.astype(jnp.float32)
 
 
 def softmax_cross_entropy(
@@ -212,6 +228,9 @@ def output_cotangents(
     scaled by ``1/sqrt(K)`` (so the sum is the sample mean).
   - ``"exact"``: K = C columns of the output-Fisher square root, so
     ``Σ_k g_k g_kᵀ = Jᵀ F_out J`` exactly.
+  - ``"curvature_prop"``: K = ``num_samples`` Rademacher combinations
+    ``Σ_c r_c B_c / sqrt(K)`` of those columns (independent signs per term),
+    whose expected sum of outer products is ``F_out`` (Martens et al. 2012).
   """
   mask = 1.0 if loss.mask is None else loss.mask(batch)[..., None]
 
@@ -226,6 +245,11 @@ def output_cotangents(
     cotangents = jax.vmap(summed_nll_grad)(samples) / jnp.sqrt(num_samples)
   elif estimation == "exact":
     cotangents = loss.fisher_sqrt(outputs)
+  elif estimation == "curvature_prop":
+    columns = loss.fisher_sqrt(outputs)  # (C, *outputs.shape)
+    signs = jax.random.rademacher(
+        rng, (num_samples, columns.shape[0], *outputs.shape[:-1]), jnp.float32)
+    cotangents = jnp.einsum("kc...,c...j->k...j", signs, columns) / jnp.sqrt(num_samples)
   else:
     raise ValueError(
         f"estimation must be one of {ESTIMATIONS}, got {estimation!r}")

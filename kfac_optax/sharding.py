@@ -6,13 +6,13 @@ refresh over the devices and keep the state's placement fixed across steps.
 """
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from kfac_optax import transform
+from kfac_optax.curvature import ScaleByKFACState
 
 # Below this many bytes a factor array is replicated even when
 # `state_shardings(shard_factors=True)`: gathering it would cost more than it saves.
@@ -33,25 +33,22 @@ class StackSharding:
   num_shards: int
   mesh: jax.sharding.Mesh | None = None
 
-  def _constrain(self, x: jax.Array, spec: PartitionSpec) -> jax.Array:
-    sharding = spec if self.mesh is None else NamedSharding(self.mesh, spec)
-    return jax.lax.with_sharding_constraint(x, sharding)
-
-  def split(self, stack: jax.Array) -> jax.Array:
-    """Each device holds (and so works on) ``1/num_shards`` of the stack."""
-    return self._constrain(stack, PartitionSpec(self.axes))
-
-  def gather(self, stack: jax.Array) -> jax.Array:
-    """The whole stack on every device (an all-gather)."""
-    return self._constrain(stack, PartitionSpec())
+  def map(self, f: Callable[..., jax.Array], *stacks: jax.Array) -> jax.Array:
+    """``f`` on each device's ``1/num_shards`` of the stacks, then all-gathered."""
+    spec = PartitionSpec(self.axes)
+    local = jax.shard_map(f, mesh=self.mesh, in_specs=spec, out_specs=spec)(*stacks)
+    replicated = (PartitionSpec() if self.mesh is None
+                  else NamedSharding(self.mesh, PartitionSpec()))
+    return jax.lax.with_sharding_constraint(local, replicated)
 
 
 def stack_sharding(mesh: jax.sharding.Mesh | None) -> StackSharding | None:
   """How inverse stacks are distributed: over ``mesh``, else the context mesh.
 
   Returns ``None`` (no distribution) without a mesh or on a single device.
-  Inside a context mesh the constraints name only partition specs, which
-  also holds under `jax.sharding.auto_axes` (see `transform.scale_by_kfac`).
+  Inside a context mesh `StackSharding.map` uses it (as an abstract mesh),
+  which also holds under `jax.sharding.auto_axes` (see
+  `transform._with_auto_axes`).
   """
   context = jax.sharding.get_abstract_mesh()
   if not context.empty:
@@ -96,12 +93,11 @@ def state_shardings(tree: Any, mesh: jax.sharding.Mesh, *,
     return split if shard_factors and large and divisible else replicated
 
   def sharding_of(node):
-    if isinstance(node, transform.ScaleByKFACState):
-      return node._replace(
-          count=replicated, stats_count=replicated,
+    if isinstance(node, ScaleByKFACState):
+      return jax.tree.map(lambda _: replicated, node)._replace(
           factors=jax.tree.map(factor_sharding, node.factors),
           inverses=jax.tree.map(lambda _: replicated, node.inverses))
     return replicated
 
   return jax.tree.map(sharding_of, tree,
-                      is_leaf=lambda x: isinstance(x, transform.ScaleByKFACState))
+                      is_leaf=lambda x: isinstance(x, ScaleByKFACState))

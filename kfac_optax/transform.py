@@ -1,110 +1,77 @@
-"""`scale_by_kfac`, the K-FAC preconditioner as an optax transformation.
+"""The optax transformations: `scale_by_kfac` and the `kfac` optimizer.
 
-Data flow of one ``update`` (DESIGN.md section 2): capture layer inputs and
-output gradients on the batch, fold batch statistics into a debiased EMA,
-refresh damped inverses on schedule, precondition every gradient leaf.
+`scale_by_kfac` turns gradients into K-FAC's preconditioned direction (the
+curvature work lives in `curvature.Curvature`). `kfac` is the optimizer to
+drop in: the direction, a learning rate and momentum (fixed, scheduled, or
+chosen by the quadratic model), an optional norm constraint, adaptive
+damping and burn-in (`adaptive`). `stats` reads either's state for logging.
 """
 
-import fnmatch
+import dataclasses
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from kfac_optax import blocks
-from kfac_optax import capture
-from kfac_optax import linalg
+from kfac_optax import adaptive
 from kfac_optax import losses
-from kfac_optax import sharding
+from kfac_optax.curvature import Curvature
+from kfac_optax.curvature import ScaleByKFACState
 
-Path = tuple[str, ...]
-FALLBACK = "<diagonal>"  # state key of the diagonal fallback block
-_OVERRIDES = ("skip", "diagonal")
-
-
-class ScaleByKFACState(NamedTuple):
-  """State of `scale_by_kfac`.
-
-  Attributes:
-    count: updates so far (``t`` of DESIGN.md; 0 on the first update).
-    stats_count: statistics updates folded into ``factors`` so far.
-    factors: block key -> debiased EMA of the block's statistics:
-      `blocks.KroneckerFactors` ``(A, G)`` for a layer (key: its module path
-      joined by "/"), ``{leaf path: F}`` for the diagonal fallback (key
-      ``"<diagonal>"``).
-    inverses: block key -> damped inverses from the last refresh, same layout.
-  """
-  count: jax.Array
-  stats_count: jax.Array
-  factors: dict[str, Any]
-  inverses: dict[str, Any]
-
-
-class _Plan(NamedTuple):
-  """The static curvature layout found by tracing the model once."""
-  layers: dict[str, tuple[Path, Any]]   # key -> (module path, block)
-  fallback: blocks.DiagonalBlock | None  # over leaves no layer block owns
-  fallback_paths: dict[str, Path]        # fallback leaf key -> leaf path
-  perturbations: Any                     # abstract kfac_perturbations
-
-  def all_blocks(self) -> dict[str, Any]:
-    found = {key: block for key, (_, block) in self.layers.items()}
-    if self.fallback is not None:
-      found[FALLBACK] = self.fallback
-    return found
-
-
-def _key(path: Path) -> str:
-  return "/".join(path)
-
-
-def _flatten(tree: Any) -> tuple[dict[Path, Any], Any]:
-  """A tree -> ({leaf path: leaf}, treedef), leaf paths as tuples of str."""
-  pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  def name(entry):
-    for attribute in ("key", "name", "idx"):
-      if hasattr(entry, attribute):
-        return str(getattr(entry, attribute))
-    return str(entry)
-  return {tuple(name(e) for e in path): leaf for path, leaf in pairs}, treedef
-
-
-def _rebuild(treedef: Any, flat: dict[Path, Any]) -> Any:
-  """Inverse of `_flatten` (``flat`` must keep `_flatten`'s key order)."""
-  return treedef.unflatten(list(flat.values()))
-
-
-def _first_element(batch: Any) -> Any:
-  if not isinstance(batch, (tuple, list)):
-    raise TypeError(
-        "the default `inputs` reads batch[0], but the batch is a "
-        f"{type(batch).__name__}; pass inputs=lambda batch: ... to "
-        "scale_by_kfac/kfac (returning apply_fn's positional input, or a "
-        "tuple of them)")
-  return batch[0]
-
-
-def _stack_shape(inside: tuple, outside: tuple, layer_params: dict) -> tuple:
-  """Leading axes a lifted transform added that the layer's params share too.
-
-  ``inside`` is the layer output's shape as the layer saw it, ``outside`` the
-  shape of its collected perturbation. Extra leading axes on both the
-  collections and every param (nn.scan layer stacks) make one block per
-  slice; extra axes the params lack (nn.RNN over time) are just more rows.
-  """
-  extra = outside[:len(outside) - len(inside)]
-  shared = all(jnp.shape(p)[:len(extra)] == extra for p in layer_params.values())
-  return extra if shared else ()
+_NAN = float("nan")
 
 
 def _value_at(hyperparameter: Any, count: jax.Array) -> jax.Array:
   return hyperparameter(count) if callable(hyperparameter) else hyperparameter
 
 
-def _all_finite(tree: Any) -> jax.Array:
-  return jnp.all(jnp.array(
-      [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]))
+def _check_update_args(curvature: Curvature, batch, params, rng, name: str):
+  if batch is None:
+    raise TypeError(
+        f"{name}'s update needs the training batch: call "
+        "tx.update(grads, state, params, batch=batch, rng=rng), or "
+        "kfac_optax.TrainState.apply_gradients(grads=..., batch=..., rng=...)")
+  if params is None:
+    raise TypeError(f"{name}'s update needs params: "
+                    "tx.update(grads, state, params, batch=batch, rng=rng)")
+  if curvature.estimation in ("fisher", "curvature_prop") and rng is None:
+    raise TypeError(
+        f'estimation="{curvature.estimation}" draws random output gradients '
+        "and needs rng=: pass a fresh jax.random key each step (or use "
+        'estimation="empirical" or "exact")')
+
+
+def _curvature_of(arguments: dict[str, Any]) -> Curvature:
+  """The `Curvature` that a transformation's arguments (by name) configure."""
+  names = {field.name for field in dataclasses.fields(Curvature)}
+  return Curvature(**{k: v for k, v in arguments.items() if k in names})
+
+
+def _explicit_mesh_axes() -> tuple[str, ...]:
+  """The context mesh's axes of type Explicit (``jax.make_mesh``'s default)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+               if kind == jax.sharding.AxisType.Explicit)
+
+
+def _with_auto_axes(update: Callable[..., Any], updates: Any, state: Any,
+                    *args: Any) -> Any:
+  """``update(updates, state, *args)``, with any Explicit mesh axes made Auto.
+
+  Under Explicit mesh axes every reshape, scan or contraction over the
+  batch-sharded axis (in the model's own layers too) would need its output
+  sharding named. K-FAC's pass runs with those axes made Auto instead, so XLA
+  propagates shardings (and all-reduces the statistics) as under Auto axes;
+  the updates and the state keep their shardings.
+  """
+  explicit = _explicit_mesh_axes()
+  if not explicit:
+    return update(updates, state, *args)
+  out_sharding = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, (updates, state))
+  return jax.sharding.auto_axes(update, axes=explicit, out_sharding=out_sharding)(
+      updates, state, *args)
 
 
 def scale_by_kfac(
@@ -158,9 +125,11 @@ def scale_by_kfac(
     stats_update_period: fold in statistics every this many updates.
     estimation: how output gradients are drawn: ``"fisher"`` (targets
       sampled from the model, needs ``rng``), ``"empirical"`` (batch
-      targets), ``"exact"`` (one backward pass per output dimension).
+      targets), ``"exact"`` (one backward pass per output dimension),
+      ``"curvature_prop"`` (random-sign combinations of the exact ones,
+      needs ``rng``).
     inverse: ``"eigh"`` or ``"cholesky"``.
-    num_samples: target draws per example for ``"fisher"``.
+    num_samples: draws per example for ``"fisher"`` and ``"curvature_prop"``.
     apply_kwargs: constant keyword arguments for ``apply_fn`` (e.g.
       ``{"train": True}``).
     layer_overrides: ``{path pattern: "skip" | "diagonal"}``, patterns in
@@ -197,221 +166,49 @@ def scale_by_kfac(
     Martens & Grosse, "Optimizing Neural Networks with Kronecker-factored
     Approximate Curvature", ICML 2015.
   """
-  if estimation not in losses.ESTIMATIONS:
-    raise ValueError(
-        f"estimation must be one of {losses.ESTIMATIONS}, got {estimation!r}")
-  if inverse not in linalg.INVERSE_METHODS:
-    raise ValueError(
-        f"inverse must be one of {linalg.INVERSE_METHODS}, got {inverse!r}")
-  if not isinstance(num_samples, int) or num_samples < 1:
-    raise ValueError(
-        f"num_samples must be a positive Python int, got {num_samples!r}; "
-        "with optax.inject_hyperparams, list it in static_args")
-  get_inputs = inputs or _first_element
-  apply_kwargs = dict(apply_kwargs or {})
-  layer_overrides = dict(layer_overrides or {})
-  for pattern, choice in layer_overrides.items():
-    if choice not in _OVERRIDES:
-      raise ValueError(f"layer_overrides[{pattern!r}] must be one of "
-                       f"{_OVERRIDES}, got {choice!r}")
-
-  def override_for(path):
-    name = _key(path)
-    return next((choice for pattern, choice in layer_overrides.items()
-                 if fnmatch.fnmatchcase(name, pattern)), None)
-
-  def model_args(batch):
-    found = get_inputs(batch)
-    return found if isinstance(found, tuple) else (found,)
-
-  def make_plan(params, batch, variables, mutable, what):
-    try:
-      discovered = capture.discover(
-          apply_fn, {"params": params, **variables}, model_args(batch),
-          {**apply_kwargs, "rngs": {"dropout": jax.random.key(0)}}, mutable)
-    except Exception as error:  # re-raised with the fix named
-      if "params" in params:
-        raise ValueError(
-            "scale_by_kfac got the whole variables dict as params: pass the "
-            "'params' collection, variables['params'] (other collections go "
-            "in update(..., variables=...))") from error
-      raise ValueError(
-          f"scale_by_kfac could not run apply_fn on {what}: "
-          f"{type(error).__name__}: {error}\nFix: {what} must have the "
-          "structure of a training batch, `inputs=` must map it to "
-          "apply_fn's positional input(s) (default batch[0]), constant call "
-          "keywords go in apply_kwargs=, and other variable collections "
-          "(e.g. batch_stats) in update(..., variables=...).") from error
-    flat_params, _ = _flatten(params)
-    perturbations = capture.by_layer(discovered.perturbations)
-    layers, owned = {}, set()
-    for path, layout in discovered.layouts.items():
-      override = override_for(path)
-      layer_params = {key[-1]: leaf for key, leaf in flat_params.items()
-                      if key[:-1] == path}
-      if override == "skip":
-        owned.update(path + (name,) for name in layer_params)
-      if override is not None:
-        continue
-      if path not in discovered.num_calls:
-        raise capture.not_threaded_error(path)
-      block = blocks.block_for(layout, layer_params, _stack_shape(
-          discovered.output_shapes[path], perturbations[path][0].shape,
-          layer_params), discovered.other_methods.get(path, ()))
-      layers[_key(path)] = (path, block)
-      owned.update(path + (name,) for name in block.param_names)
-    fallback_paths = {_key(k): k for k in flat_params if k not in owned}
-    fallback = blocks.DiagonalBlock(
-        {key: jnp.shape(flat_params[path])
-         for key, path in fallback_paths.items()}) if fallback_paths else None
-    return _Plan(layers, fallback, fallback_paths, discovered.perturbations)
-
-  def init_fn(params):
-    # mutable=True lets flax create collections such as batch_stats that the
-    # example batch needs and init's caller does not have.
-    plan = make_plan(params, example_batch, {}, True, "example_batch")
-    factors, inverses = {}, {}
-    for key, block in plan.all_blocks().items():
-      factors[key], inverses[key] = block.init()
-    # Two distinct buffers: a state passed with donate_argnums must not alias.
-    return ScaleByKFACState(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32),
-                            factors, inverses)
-
-  def batch_statistics(plan, params, batch, variables, rng):
-    flat_params, treedef = _flatten(params)
-    sample_key, model_key = jax.random.split(
-        jax.random.key(0) if rng is None else rng)
-    run = capture.hooked_apply(
-        apply_fn, model_args(batch),
-        {**apply_kwargs, "rngs": {"dropout": model_key}},
-        [*variables, capture.INPUTS])
-
-    def model(fallback_leaves, perturbations):
-      paths = {plan.fallback_paths[k]: leaf for k, leaf in fallback_leaves.items()}
-      full = _rebuild(treedef, {**flat_params, **paths})
-      outputs, collections = run(
-          {"params": full, **variables, capture.PERTURBATIONS: perturbations})
-      return outputs, collections[capture.INPUTS]
-
-    captured = capture.capture(
-        model,
-        {k: flat_params[path] for k, path in plan.fallback_paths.items()},
-        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), plan.perturbations),
-        lambda outputs: losses.output_cotangents(
-            loss, outputs, batch, estimation, sample_key, num_samples))
-    terms = loss.terms(captured.outputs, batch)
-    stats = {}
-    for key, (path, block) in plan.layers.items():
-      other_calls = {method: (inputs[path], grads[path]) for method, (inputs, grads)
-                     in captured.other_methods.items() if path in inputs}
-      stats[key] = block.statistics(captured.inputs[path],
-                                    captured.output_grads[path], terms, **other_calls)
-    if plan.fallback is not None:
-      stats[FALLBACK] = plan.fallback.statistics(captured.primal_grads, terms)
-    return stats
-
-  def fold_in(factors, stats_count, batch_stats):
-    """Debiased EMA: D_t = D_{t-1} + (1-ρ)/(1-ρ^t) (B_t - D_{t-1})."""
-    new_count = stats_count + 1
-    weight = (1.0 - ema_decay) / (1.0 - jnp.power(ema_decay, new_count))
-    new = jax.tree.map(lambda old, b: old + weight * (b - old), factors, batch_stats)
-    finite = _all_finite(batch_stats)  # non-finite statistics never enter
-    return (jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, factors),
-            jnp.where(finite, new_count, stats_count))
-
-  def refresh_inverses(plan, factors, old_inverses, damping_now):
-    fresh = linalg.invert_all(
-        {key: block.damped(factors[key], damping_now)
-         for key, block in plan.all_blocks().items()},
-        inverse, sharding.stack_sharding(mesh))
-    for key, new in fresh.items():
-      ok = _all_finite(new)  # a failed factorisation keeps the last inverse
-      fresh[key] = jax.tree.map(lambda n, o, ok=ok: jnp.where(ok, n, o),
-                                new, old_inverses[key])
-    return fresh
+  curvature = _curvature_of(locals())
 
   def update_fn(updates, state, params=None, *, batch=None, rng=None,
                 variables=None, **extra_args):
     del extra_args  # optax.chain forwards every member's keywords
-    if batch is None:
-      raise TypeError(
-          "scale_by_kfac's update needs the training batch: call "
-          "tx.update(grads, state, params, batch=batch, rng=rng), or "
-          "kfac_optax.TrainState.apply_gradients(grads=..., batch=..., rng=...)")
-    if params is None:
-      raise TypeError("scale_by_kfac's update needs params: "
-                      "tx.update(grads, state, params, batch=batch, rng=rng)")
-    if estimation == "fisher" and rng is None:
-      raise TypeError(
-          'estimation="fisher" samples targets from the model and needs '
-          "rng=: pass a fresh jax.random key each step (or use "
-          'estimation="empirical" or "exact")')
-    variables = dict(variables or {})
-    explicit = _explicit_mesh_axes()
-    if not explicit:
-      return update_with(updates, state, params, batch, variables, rng)
-    # Under Explicit mesh axes every reshape, scan or contraction over the
-    # batch-sharded axis (in the model's own layers too) would need its output
-    # sharding named. K-FAC's pass runs with those axes made Auto instead, so
-    # XLA propagates shardings (and all-reduces the statistics) as under Auto
-    # axes; the updates and the state keep their shardings.
-    out_sharding = jax.tree.map(lambda x: jax.typeof(x).sharding.spec,
-                                (updates, state))
-    return jax.sharding.auto_axes(update_with, axes=explicit,
-                                  out_sharding=out_sharding)(
-                                      updates, state, params, batch, variables, rng)
+    _check_update_args(curvature, batch, params, rng, "scale_by_kfac")
 
-  def update_with(updates, state, params, batch, variables, rng):
-    plan = make_plan(params, batch, variables, list(variables), "batch")
-    damping_now = jnp.asarray(_value_at(damping, state.count), jnp.float32)
+    def precondition(updates, state, params, batch, variables, rng):
+      state = curvature.update(state, params, batch=batch, rng=rng,
+                               variables=variables,
+                               damping=_value_at(damping, state.count))
+      return curvature.precondition(state, updates), state
+    return _with_auto_axes(precondition, updates, state, params, batch,
+                           dict(variables or {}), rng)
 
-    def with_new_statistics(carry):
-      factors, stats_count = carry
-      return fold_in(factors, stats_count,
-                     batch_statistics(plan, params, batch, variables, rng))
-    factors, stats_count = _on_schedule(
-        stats_update_period, state.count, with_new_statistics,
-        (state.factors, state.stats_count))
-    inverses = _on_schedule(
-        inverse_update_period, state.count,
-        lambda old: refresh_inverses(plan, factors, old, damping_now),
-        state.inverses)
-
-    flat_updates, treedef = _flatten(updates)
-    new_updates = dict(flat_updates)
-    for key, (path, block) in plan.layers.items():
-      layer = block.precondition(
-          inverses[key], {n: flat_updates[path + (n,)] for n in block.param_names})
-      new_updates.update({path + (n,): leaf for n, leaf in layer.items()})
-    if plan.fallback is not None:
-      diagonal = plan.fallback.precondition(
-          inverses[FALLBACK],
-          {k: flat_updates[p] for k, p in plan.fallback_paths.items()})
-      new_updates.update({plan.fallback_paths[k]: v for k, v in diagonal.items()})
-    new_state = ScaleByKFACState(
-        optax.safe_increment(state.count), stats_count, factors, inverses)
-    return _rebuild(treedef, new_updates), new_state
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(curvature.init, update_fn)
 
 
-def _explicit_mesh_axes() -> tuple[str, ...]:
-  """The context mesh's axes of type Explicit (``jax.make_mesh``'s default)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
-               if kind == jax.sharding.AxisType.Explicit)
+class KFACState(NamedTuple):
+  """State of `kfac`.
 
-
-def _on_schedule(period: Any, count: jax.Array, refresh: Callable[[Any], Any],
-                 current: Any) -> Any:
-  """``refresh(current)`` when ``count % period == 0``, else ``current``.
-
-  A static period of 1 skips the `lax.cond`, so XLA sees the capture pass
-  unconditionally and can share its work with the user's own forward pass.
+  Attributes:
+    curvature: the `ScaleByKFACState` of its preconditioner.
+    previous_update: the last update δ (params-shaped; zero at first).
+    count: updates so far.
+    damping: λ, adapted in place with ``adaptive_damping``.
+    learning_rate, momentum: the last step's ``-α`` and ``μ`` in
+      ``δ = α v + μ δ_prev`` (v the preconditioned gradient).
+    rho: the last measured reduction ratio (nan before the first).
+    qmodel_change: the quadratic model's predicted change of the loss for
+      the last step where it was computed (nan before).
+    fisher_norm: the last step's approximate squared Fisher norm of its
+      gradient part, ``α² vᵀ F̂ v = α² vᵀ g``.
   """
-  if isinstance(period, int) and period == 1:
-    return refresh(current)
-  return jax.lax.cond(count % period == 0, refresh, lambda c: c, current)
+  curvature: ScaleByKFACState
+  previous_update: Any
+  count: jax.Array
+  damping: jax.Array
+  learning_rate: jax.Array
+  momentum: jax.Array
+  rho: jax.Array
+  qmodel_change: jax.Array
+  fisher_norm: jax.Array
 
 
 def kfac(
@@ -419,8 +216,8 @@ def kfac(
     loss: losses.PredictiveLoss,
     *,
     example_batch: Any,
-    learning_rate: optax.ScalarOrSchedule,
-    momentum: optax.ScalarOrSchedule = 0.9,
+    learning_rate: optax.ScalarOrSchedule | None,
+    momentum: optax.ScalarOrSchedule | None = 0.9,
     inputs: Callable[[Any], Any] | None = None,
     damping: optax.ScalarOrSchedule = 1e-3,
     ema_decay: float = 0.95,
@@ -432,44 +229,184 @@ def kfac(
     apply_kwargs: dict[str, Any] | None = None,
     layer_overrides: dict[str, str] | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    norm_constraint: float | None = None,
+    adaptive_damping: bool = False,
+    damping_adaptation_interval: int = 5,
+    damping_adaptation_decay: float = 0.95,
+    min_damping: float = 1e-8,
+    max_damping: float = math.inf,
+    l2_reg: float = 0.0,
+    num_burnin_steps: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
-  """K-FAC with momentum and a learning rate: the optimizer to drop in.
+  """K-FAC with a learning rate and momentum: the optimizer to drop in.
 
-  ``optax.chain(scale_by_kfac(...), trace(decay=momentum), -learning_rate)``:
-  the update is ``-lr · m_t`` with ``m_t = momentum · m_{t-1} + U_t`` and
-  ``U_t`` the K-FAC preconditioned gradient. The arguments are spelled out
-  (no ``**kwargs``) so that ``optax.inject_hyperparams(kfac, static_args=
-  ("apply_fn", "num_samples"))`` can inject any of them.
+  Each update is ``δ = α v + μ δ_prev`` with ``v = F̂⁻¹ g`` the K-FAC
+  preconditioned gradient (`scale_by_kfac`, damped with ``λ + l2_reg``):
+
+  - fixed or scheduled ``learning_rate`` and ``momentum``: ``α = -lr``,
+    ``μ = momentum``; with ``norm_constraint=c``, ``α`` is scaled down so
+    that ``α² vᵀ F̂ v = α² vᵀ g ≤ c`` (Ba et al. 2017);
+  - ``learning_rate=None`` and/or ``momentum=None``: the free coefficients
+    minimise the damped quadratic model
+    ``q(δ) = gᵀδ + ½ δᵀ(F + (λ + l2_reg) I)δ`` along ``v`` and ``δ_prev``,
+    with exact Fisher(=GGN)-vector products on the batch (two forward-mode
+    passes; the "qmodel" momentum of the TF K-FAC optimizer);
+  - ``adaptive_damping``: every ``damping_adaptation_interval`` steps, the
+    reduction ratio ``ρ = (h(θ+δ) - h(θ)) / q₀(δ)`` (``q₀`` without λ; one
+    extra forward pass on those steps) moves λ by the Levenberg-Marquardt
+    rule of Martens & Grosse (2015, section 6.5), see
+    `adaptive.levenberg_marquardt`;
+  - the first ``num_burnin_steps`` updates only gather statistics and
+    return zero updates.
+
+  ``l2_reg`` is the coefficient η of an L2 term ``η/2 ‖θ‖²`` that the user
+  adds to the loss (its gradient is the user's): it is added to the
+  curvature (damping and quadratic model), as in the original optimizers.
 
   Args:
     apply_fn: the flax apply function, e.g. ``model.apply``.
     loss: the model's predictive distribution (`kfac_optax.losses`).
     example_batch: see `scale_by_kfac`.
-    learning_rate: a float or a schedule of the step.
-    momentum: a float or a schedule of the step (0 disables momentum).
-    inputs: see `scale_by_kfac`.
-    damping: see `scale_by_kfac`.
-    ema_decay: see `scale_by_kfac`.
-    inverse_update_period: see `scale_by_kfac`.
-    stats_update_period: see `scale_by_kfac`.
-    estimation: see `scale_by_kfac`.
-    inverse: see `scale_by_kfac`.
-    num_samples: see `scale_by_kfac`.
-    apply_kwargs: see `scale_by_kfac`.
-    layer_overrides: see `scale_by_kfac`.
-    mesh: see `scale_by_kfac`.
+    learning_rate: a float, a schedule of the step, or None (quadratic model).
+    momentum: a float, a schedule, or None (quadratic model).
+    inputs, damping, ema_decay, inverse_update_period, stats_update_period,
+    estimation, inverse, num_samples, apply_kwargs, layer_overrides, mesh:
+      see `scale_by_kfac`. With ``adaptive_damping``, ``damping`` is the
+      initial λ.
+    norm_constraint: c, or None; needs a fixed or scheduled learning rate.
+    adaptive_damping: adapt λ by the Levenberg-Marquardt rule.
+    damping_adaptation_interval: steps between adaptations.
+    damping_adaptation_decay: ω = decay ** interval.
+    min_damping: lower clip of the adapted λ.
+    max_damping: upper clip of the adapted λ.
+    l2_reg: η, the user's L2 coefficient.
+    num_burnin_steps: leading updates that return zeros.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update`` needs
-    ``batch=`` (and ``rng=`` for ``estimation="fisher"``).
+    ``batch=`` (and ``rng=`` for random estimation modes). Arguments are
+    spelled out so that ``optax.inject_hyperparams(kfac, static_args=
+    ("apply_fn", "num_samples"))`` can inject the numeric ones.
+
+  References:
+    Martens & Grosse, "Optimizing Neural Networks with Kronecker-factored
+    Approximate Curvature", ICML 2015; Ba, Grosse & Martens, "Distributed
+    Second-Order Optimization using Kronecker-Factored Approximations",
+    ICLR 2017.
   """
-  return optax.chain(
-      scale_by_kfac(
-          apply_fn, loss, example_batch=example_batch, inputs=inputs,
-          damping=damping, ema_decay=ema_decay,
-          inverse_update_period=inverse_update_period,
-          stats_update_period=stats_update_period, estimation=estimation,
-          inverse=inverse, num_samples=num_samples, apply_kwargs=apply_kwargs,
-          layer_overrides=layer_overrides, mesh=mesh),
-      optax.inject_hyperparams(optax.trace)(decay=momentum),
-      optax.scale_by_learning_rate(learning_rate))
+  curvature = _curvature_of(locals())
+  if norm_constraint is not None and learning_rate is None:
+    raise ValueError("norm_constraint bounds the step of a given learning "
+                     "rate; with learning_rate=None the quadratic model "
+                     "already chooses the step size")
+  if adaptive_damping and callable(damping):
+    raise ValueError("adaptive_damping adapts λ itself: give damping as the "
+                     "initial value, not a schedule")
+  solve = learning_rate is None or momentum is None
+
+  def init_fn(params):
+    # Distinct buffers: a state passed with donate_argnums must not alias.
+    nans = [jnp.full([], _NAN, jnp.float32) for _ in range(5)]
+    return KFACState(
+        curvature.init(params), jax.tree.map(jnp.zeros_like, params),
+        jnp.zeros([], jnp.int32),
+        jnp.asarray(_value_at(damping, 0), jnp.float32) + 0.0, *nans)
+
+  def update_fn(grads, state, params=None, *, batch=None, rng=None,
+                variables=None, **extra_args):
+    del extra_args
+    _check_update_args(curvature, batch, params, rng, "kfac")
+    return _with_auto_axes(step, grads, state, params, batch,
+                           dict(variables or {}), rng)
+
+  def step(grads, state, params, batch, variables, rng):
+    count = state.count
+    damping_now = (state.damping if adaptive_damping
+                   else jnp.asarray(_value_at(damping, count), jnp.float32))
+    curvature_state = curvature.update(
+        state.curvature, params, batch=batch, rng=rng, variables=variables,
+        damping=damping_now + l2_reg)
+    v = curvature.precondition(curvature_state, grads)
+    previous = state.previous_update
+    vg = adaptive.tree_dot(v, grads)
+    lr = None if learning_rate is None else _value_at(learning_rate, count)
+    mu = None if momentum is None else _value_at(momentum, count)
+    qmodel_change = state.qmodel_change
+    if solve:
+      outputs, tangents = curvature.output_tangents(
+          params, batch, jax.tree.map(lambda a, b: jnp.stack([a, b.astype(a.dtype)]),
+                                      v, previous), variables, rng)
+      fisher = curvature.output_fisher(outputs, batch, tangents)
+      flat = lambda x: x.reshape(2, -1).astype(jnp.float32)
+      directions = (v, previous)
+      gram = jnp.array([[adaptive.tree_dot(a, b) for b in directions]
+                        for a in directions])
+      matrix = flat(tangents) @ flat(fisher).T + (damping_now + l2_reg) * gram
+      linear = jnp.stack([vg, adaptive.tree_dot(grads, previous)])
+      alpha, mu_now, qmodel_change = adaptive.quadratic_coefficients(
+          matrix, linear, lr, mu, gram[1, 1] > 0)
+    else:
+      alpha = -jnp.asarray(lr, jnp.float32)
+      if norm_constraint is not None:
+        alpha = alpha * adaptive.norm_constraint_scale(vg, lr, norm_constraint)
+      mu_now = jnp.asarray(mu, jnp.float32)
+    moving = count >= num_burnin_steps
+    delta = jax.tree.map(
+        lambda a, p: jnp.where(moving, alpha * a + mu_now * p, 0).astype(a.dtype),
+        v, previous)
+
+    rho, new_damping = state.rho, damping_now
+    if adaptive_damping:
+      def measure(_):
+        outputs, tangent = jax.jvp(
+            lambda p: curvature.forward(p, batch, variables, rng), (params,), (delta,))
+        fisher = curvature.output_fisher(outputs, batch, tangent)
+        change = (adaptive.tree_dot(grads, delta)
+                  + 0.5 * (jnp.vdot(tangent.astype(jnp.float32), fisher)
+                           + l2_reg * adaptive.tree_dot(delta, delta)))
+        moved = curvature.loss_value(optax.apply_updates(params, delta), batch,
+                                     variables, rng)
+        return (moved - loss.value(outputs, batch)) / change
+      due = moving & ((count - num_burnin_steps) % damping_adaptation_interval == 0)
+      rho = jax.lax.cond(due, measure, lambda _: state.rho, None)
+      new_damping = jnp.where(due, adaptive.levenberg_marquardt(
+          damping_now, rho, damping_adaptation_decay, damping_adaptation_interval,
+          min_damping, max_damping), damping_now)
+
+    new_state = KFACState(
+        curvature_state, delta, optax.safe_increment(count), new_damping,
+        -alpha, mu_now, rho, jnp.asarray(qmodel_change, jnp.float32),
+        jnp.square(alpha) * vg)
+    return delta, new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def stats(opt_state: Any) -> dict[str, jax.Array]:
+  """Scalars to log from a state holding `kfac`'s or `scale_by_kfac`'s state.
+
+  Returns ``{"damping", "learning_rate", "momentum", "rho",
+  "qmodel_change", "fisher_norm"}`` (see `KFACState`) from the first
+  `KFACState` found in ``opt_state`` (any optax wrapper or TrainState
+  around it). With only a `ScaleByKFACState` (``scale_by_kfac`` in a user's
+  chain) ``damping`` is its last λ and the others, which that chain's other
+  members own, are nan.
+
+  Raises:
+    ValueError: if ``opt_state`` holds neither state.
+  """
+  kinds = (KFACState, ScaleByKFACState)
+  found = [node for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds))
+           if isinstance(node, kinds)]
+  full = [node for node in found if isinstance(node, KFACState)]
+  if full:
+    state = full[0]
+    return {"damping": state.damping, "learning_rate": state.learning_rate,
+            "momentum": state.momentum, "rho": state.rho,
+            "qmodel_change": state.qmodel_change, "fisher_norm": state.fisher_norm}
+  if found:
+    nan = jnp.full([], _NAN, jnp.float32)
+    return {"damping": found[0].damping, "learning_rate": nan, "momentum": nan,
+            "rho": nan, "qmodel_change": nan, "fisher_norm": nan}
+  raise ValueError("kfac_optax.stats found no kfac or scale_by_kfac state in "
+                   f"the given {type(opt_state).__name__}")

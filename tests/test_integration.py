@@ -368,3 +368,14 @@ def test_kfac_reduces_loss_on_fixed_batch(estimation):
   assert np.isfinite(final)
   assert final < 0.8 * initial
   assert int(state[0].count) == 5
+
+
+def test_example_batch_may_be_shape_structs():
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), BATCH)
+  concrete = scale_by_kfac(estimation="empirical")
+  tx = kfac_optax.scale_by_kfac(APPLY, LOSS, example_batch=abstract,
+                                estimation="empirical", **SETTINGS)
+  grads = jax.grad(loss_value)(PARAMS, BATCHES[0])
+  expected, _ = concrete.update(grads, concrete.init(PARAMS), PARAMS, batch=BATCHES[0])
+  actual, _ = tx.update(grads, tx.init(PARAMS), PARAMS, batch=BATCHES[0])
+  assert_trees_close(actual, expected)
