@@ -183,7 +183,8 @@ def invert_all(tree: Any, method: str, stack_sharding: Any = None,
       stack = jnp.concatenate([stack, jnp.broadcast_to(jnp.eye(bucket), (extra, bucket, bucket))])
       damping = jnp.concatenate([damping, jnp.ones((extra,), jnp.float32)])
       inverted = stack_sharding.map(
-          lambda s, d: _over_stack(each, s, d), stack, damping)
+          lambda s, d, real: _over_stack(each, s, d, real), stack, damping,
+          jnp.arange(count + extra) < count)
     offset = 0
     for i in members:
       shape = requests[i].matrix.shape
@@ -200,15 +201,21 @@ def _diagonal_power(diagonal: DampedDiagonal, power: float) -> jax.Array:
   return (jnp.maximum(diagonal.values, 0.0) + damping) ** power
 
 
-def _over_stack(each, stack: jax.Array, damping: jax.Array) -> jax.Array:
+def _over_stack(each, stack: jax.Array, damping: jax.Array,
+                real: jax.Array | None = None) -> jax.Array:
   """``each`` over a stack of matrices: vmapped, but one at a time on CPU.
 
   On CPU a batched eigh/Cholesky is one LAPACK custom call that fans the
   batch out over XLA's intra-op thread pool and blocks until it is done;
   two such calls running at once can each wait for the other's queued work
   and deadlock a small pool (seen with jaxlib 0.10 on 2 cores). `lax.map`
-  keeps every CPU call to a single matrix.
+  keeps every CPU call to a single matrix, and skips the padding entries
+  (``real`` false) that only make the stack divide over devices: simulated
+  CPU devices share the same cores.
   """
-  if jax.default_backend() == "cpu":
+  if jax.default_backend() != "cpu":
+    return jax.vmap(each)(stack, damping)
+  if real is None:
     return jax.lax.map(lambda args: each(*args), (stack, damping))
-  return jax.vmap(each)(stack, damping)
+  return jax.lax.map(lambda args: jax.lax.cond(
+      args[2], lambda: each(args[0], args[1]), lambda: args[0]), (stack, damping, real))
