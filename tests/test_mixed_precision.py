@@ -83,4 +83,4 @@ def test_low_precision_sharded_matches_one_device():
   assert all(u.dtype == jnp.bfloat16 for u in jax.tree.leaves(updates))
   # Only the order of float32 reductions over the batch differs.
   assert bf.relative_error(state.factors, jax.tree.map(np.asarray, reference.factors)) < 1e-4
-  assert bf.relative_error(updates, jax.tree.map(np.asarray, expected)) < 2e-2
+  assert bf.relative_error(updates, jax.tree.map(np.asarray, expected)) < 2e-3
