@@ -1,0 +1,765 @@
+"""What every benchmark shares: contenders, a fair timed race, and the reports.
+
+A benchmark script describes its `Workload` (model, loss, data) and its issue
+targets (`Goal`), then calls `main`. Everything else is here, so that every
+workload is measured the same way:
+
+- Contenders: ``kfac_optax.kfac`` with fixed learning rate and damping
+  (momentum 0.9); optionally a tuned kfac_optax and one with adaptive
+  learning rate, momentum and damping (kfac-jax's adaptive settings);
+  ``optax.adam`` at several learning rates; kfac-jax with matched settings
+  (same learning rate, momentum, damping, curvature EMA, inverse period and
+  estimation mode) and with its adaptive learning rate, momentum and damping
+  as in its own autoencoder example. kfac-jax is optional:
+  without it the others run and the report says why it is missing.
+- Fairness: every contender starts from the same parameters and sees the same
+  batches in the same order with the same per-step random key. A discarded
+  warm-up run per contender compiles everything (its first step is the
+  compile time). In each timed run the contenders' steps are interleaved
+  round-robin (step i of all of them before step i+1 of any, the first one
+  rotating), each step timed on its own up to ``block_until_ready``, so slow
+  drifts of machine speed hit all of them alike; timed runs are repeated and
+  every timing is the median over the repeats.
+- BLAS threads: jaxlib's CPU Cholesky and eigh call SciPy's OpenBLAS. With its
+  default threads on 2 cores a 257x257 eigh took ~120 ms instead of 5 ms, and
+  concurrent LAPACK calls in one XLA program could stall for seconds or
+  deadlock. Every contender runs with one OpenBLAS thread (XLA's own matmuls
+  do not use OpenBLAS); the report records the thread counts in effect.
+- Losses are the mini-batch training losses before each update; "smoothed" is
+  their trailing mean over `WINDOW` steps. Target losses are the lowest
+  smoothed loss any Adam run had at given steps; the time to a target is the
+  sum of step times (compilation excluded) until a contender's smoothed loss
+  first reaches it.
+"""
+
+import argparse
+import ast
+import dataclasses
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import platform
+import sys
+import time
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import kfac_optax
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:  # run as a script: make `examples` importable
+  sys.path.insert(0, REPO_ROOT)
+from examples import mlp_classifier  # pylint: disable=wrong-import-position
+from examples.transformer_lm import single_threaded_lapack  # pylint: disable=wrong-import-position
+
+RESULTS_DIR = os.path.join(REPO_ROOT, "benchmarks", "results")
+RESULTS_MD = os.path.join(REPO_ROOT, "benchmarks", "RESULTS.md")
+COMPAT_PATH = os.path.normpath(
+    os.path.join(REPO_ROOT, "..", "shared", "bench", "kfac_jax_compat.py"))
+KFAC_JAX_VERSION = "0.0.8"
+KFAC_JAX_MATCHED = "kfac-jax (matched)"
+WINDOW = 10
+WARMUP_STEPS = 6  # past the first inverse refresh after step 0 (period 5)
+# kfac-jax's examples/autoencoder_mnist/pipeline.py (no burn-in, no L2).
+KFAC_JAX_ADAPTIVE = dict(
+    use_adaptive_learning_rate=True, use_adaptive_momentum=True,
+    use_adaptive_damping=True, initial_damping=150.0,
+    damping_adaptation_decay=0.95, damping_adaptation_interval=5,
+    min_damping=1e-5, max_damping=1000.0, curvature_ema=0.95,
+    inverse_update_period=5)
+# The same controls in kfac_optax: quadratic-model learning rate and momentum,
+# Levenberg-Marquardt damping.
+KFAC_OPTAX_ADAPTIVE = dict(
+    learning_rate=None, momentum=None, adaptive_damping=True,
+    damping=KFAC_JAX_ADAPTIVE["initial_damping"],
+    ema_decay=KFAC_JAX_ADAPTIVE["curvature_ema"],
+    **{k: KFAC_JAX_ADAPTIVE[k] for k in (
+        "damping_adaptation_decay", "damping_adaptation_interval",
+        "min_damping", "max_damping", "inverse_update_period")})
+_KFAC_JAX_ESTIMATION = {"fisher": "fisher_gradients", "empirical": "empirical",
+                        "exact": "fisher_exact"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """What a benchmark trains.
+
+  Attributes:
+    name: file stem of its results and key of its RESULTS.md section.
+    title: heading of that section.
+    description: one Markdown sentence: model, loss, data.
+    model: the flax module.
+    loss: its predictive loss; ``loss.value(outputs, batch)`` is trained.
+    inputs: ``batch -> model input``.
+    register_kfac_jax_loss: ``(kfac_jax, outputs, batch) -> None``, the same
+      loss in kfac-jax's terms.
+    data: a pytree of arrays with a leading example axis; a batch is the
+      tree indexed by example indices.
+    batch_size: examples per step.
+  """
+  name: str
+  title: str
+  description: str
+  model: nn.Module
+  loss: kfac_optax.losses.PredictiveLoss
+  inputs: Callable[[Any], Any]
+  register_kfac_jax_loss: Callable[[Any, Any, Any], None]
+  data: Any
+  batch_size: int
+
+  def batch(self, indices):
+    return jax.tree.map(lambda x: x[indices], self.data)
+
+  @property
+  def num_examples(self) -> int:
+    return len(jax.tree.leaves(self.data)[0])
+
+  def loss_fn(self, params, batch):
+    outputs = self.model.apply({"params": params}, self.inputs(batch))
+    return self.loss.value(outputs, batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class Goal:
+  """An issue target: ``row[field] <= limit``, checked for every kfac_optax."""
+  text: str
+  field: str
+  limit: float
+
+
+@dataclasses.dataclass
+class Contender:
+  """One optimizer in the race.
+
+  Attributes:
+    name: label in tables, JSON and plot.
+    family: "kfac_optax", "adam" or "kfac_jax".
+    settings: its hyperparameters, as reported.
+    start: ``params -> state`` (fresh buffers).
+    step: ``(state, batch, rng, step index) -> (state, loss before the update)``.
+    max_steps: steps it runs in a timed run (None: all).
+  """
+  name: str
+  family: str
+  settings: dict
+  start: Callable[[Any], Any]
+  step: Callable[[Any, Any, Any, int], tuple[Any, Any]]
+  max_steps: int | None = None
+
+
+@jax.jit
+def fresh_copy(tree):
+  return jax.tree.map(jnp.copy, tree)
+
+
+def train_step(workload: Workload):
+  """A jitted ``(TrainState, batch, rng) -> (TrainState, loss)``, state donated.
+
+  One step serves every optax contender: `kfac_optax.TrainState` forwards
+  ``batch`` and ``rng`` to ``tx.update``, and Adam ignores them.
+  """
+  def step(state, batch, rng):
+    value, grads = jax.value_and_grad(workload.loss_fn)(state.params, batch)
+    return state.apply_gradients(grads=grads, batch=batch, rng=rng), value
+  return jax.jit(step, donate_argnums=0)
+
+
+def kfac_optax_tx(workload: Workload, example_batch, **settings):
+  return kfac_optax.kfac(workload.model.apply, workload.loss,
+                         example_batch=example_batch, inputs=workload.inputs,
+                         **settings)
+
+
+def optax_contender(name, family, tx, settings, workload, step):
+  def start(params):
+    return fresh_copy(kfac_optax.TrainState.create(
+        apply_fn=workload.model.apply, params=params, tx=tx))
+  return Contender(name, family, settings, start,
+                   lambda state, batch, rng, i: step(state, batch, rng))
+
+
+def import_kfac_jax(mode: str = "auto"):
+  """``(kfac_jax, None)``, or ``(None, why not)``; mode "require" raises instead.
+
+  kfac-jax 0.0.8 needs ``../shared/bench/kfac_jax_compat.py`` imported first
+  to run on current JAX.
+  """
+  if mode == "skip":
+    return None, "skipped on request (--kfac-jax skip)"
+  if importlib.util.find_spec("kfac_jax") is None:
+    reason = "kfac-jax is not installed (pip install -e '.[bench]')"
+  elif not os.path.isfile(COMPAT_PATH):
+    reason = f"its compatibility adapter {COMPAT_PATH} is missing"
+  else:
+    try:
+      sys.path.insert(0, os.path.dirname(COMPAT_PATH))
+      import kfac_jax_compat  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+      import kfac_jax  # pylint: disable=import-outside-toplevel
+      return kfac_jax, None
+    except Exception as error:  # pylint: disable=broad-except
+      reason = f"importing kfac-jax failed: {type(error).__name__}: {error}"
+  if mode == "require":
+    raise RuntimeError(reason)
+  return None, reason
+
+
+def kfac_jax_contender(name, kfac_jax, workload, example_batch, seed, *,
+                       settings, optimizer_kwargs, step_kwargs, max_steps=None):
+  """A contender that trains with ``kfac_jax.Optimizer`` (no burn-in, no L2)."""
+  def loss_fn(params, batch):
+    outputs = workload.model.apply({"params": params}, workload.inputs(batch))
+    workload.register_kfac_jax_loss(kfac_jax, outputs, batch)
+    return workload.loss.value(outputs, batch)
+
+  optimizer = kfac_jax.Optimizer(
+      value_and_grad_func=jax.value_and_grad(loss_fn), l2_reg=0.0,
+      num_burnin_steps=0, multi_device=False, **optimizer_kwargs)
+  step_kwargs = {k: jnp.asarray(v, jnp.float32) for k, v in step_kwargs.items()}
+
+  def start(params):
+    params = fresh_copy(params)  # kfac-jax donates them
+    return params, optimizer.init(params, jax.random.key(seed), example_batch)
+
+  def step(state, batch, rng, i):
+    params, opt_state, stats = optimizer.step(
+        *state, rng, batch=batch, global_step_int=i, **step_kwargs)
+    return (params, opt_state), stats["loss"]
+
+  return Contender(name, "kfac_jax", settings, start, step, max_steps)
+
+
+def make_contenders(workload, args, kfac_jax):
+  """All contenders of the race, in table order."""
+  example_batch = workload.batch(np.arange(workload.batch_size))
+  step = train_step(workload)
+  kfac = dict(learning_rate=args.kfac_lr, damping=args.kfac_damping,
+              momentum=args.kfac_momentum, ema_decay=0.95,
+              inverse_update_period=args.inverse_period, estimation="fisher",
+              inverse=args.kfac_inverse)
+  contenders = [optax_contender(
+      "kfac_optax", "kfac_optax", kfac_optax_tx(workload, example_batch, **kfac),
+      kfac, workload, step)]
+  if args.tuned:
+    tuned = {**kfac, **args.tuned}
+    contenders.append(optax_contender(
+        "kfac_optax (tuned)", "kfac_optax",
+        kfac_optax_tx(workload, example_batch, **tuned), tuned, workload, step))
+  if args.adaptive:
+    adaptive = {**kfac, **KFAC_OPTAX_ADAPTIVE}
+    contenders.append(optax_contender(
+        "kfac_optax (adaptive)", "kfac_optax",
+        kfac_optax_tx(workload, example_batch, **adaptive), adaptive, workload,
+        step))
+  contenders += [optax_contender(f"adam lr={lr:g}", "adam", optax.adam(lr),
+                                 dict(learning_rate=lr), workload, step)
+                 for lr in args.adam_lrs]
+  if kfac_jax is not None:
+    matched = dict(curvature_ema=kfac["ema_decay"],
+                   inverse_update_period=kfac["inverse_update_period"],
+                   estimation_mode=_KFAC_JAX_ESTIMATION[kfac["estimation"]])
+    fixed = dict(learning_rate=kfac["learning_rate"],
+                 momentum=kfac["momentum"], damping=kfac["damping"])
+    contenders.append(kfac_jax_contender(
+        KFAC_JAX_MATCHED, kfac_jax, workload, example_batch, args.seed,
+        settings={**fixed, **matched}, optimizer_kwargs=matched,
+        step_kwargs=fixed, max_steps=args.kfac_jax_steps))
+    contenders.append(kfac_jax_contender(
+        "kfac-jax (adaptive)", kfac_jax, workload, example_batch, args.seed,
+        settings=KFAC_JAX_ADAPTIVE, optimizer_kwargs=KFAC_JAX_ADAPTIVE,
+        step_kwargs={}, max_steps=args.kfac_jax_steps))
+  return contenders
+
+
+# --------------------------------------------------------------------------
+# The race
+
+
+class Batches:
+  """Device batch and random key of every step, the same for all contenders."""
+
+  def __init__(self, workload: Workload, steps: int, seed: int):
+    self.workload, self.key, self.cached = workload, jax.random.key(seed + 1), {}
+    self.order = mlp_classifier.batch_order(
+        workload.num_examples, workload.batch_size, steps, seed)
+
+  def __call__(self, i):
+    if i not in self.cached:  # keep only the current step's
+      self.cached = {i: jax.block_until_ready((
+          jax.device_put(self.workload.batch(self.order[i])),
+          jax.random.fold_in(self.key, i)))}
+    return self.cached[i]
+
+
+def timed_step(contender, state, i, batches):
+  batch, rng = batches(i)
+  start = time.perf_counter()
+  state, loss = jax.block_until_ready(contender.step(state, batch, rng, i))
+  return state, float(loss), time.perf_counter() - start
+
+
+def warm_up(contenders, params, batches, steps):
+  """Compiles every contender on a discarded run.
+
+  Returns:
+    ``({name: compile seconds (its first step)}, {name: error})``.
+  """
+  compile_s, failed = {}, {}
+  for contender in contenders:
+    try:
+      state = contender.start(params)
+      for i in range(steps):
+        state, _, seconds = timed_step(contender, state, i, batches)
+        compile_s.setdefault(contender.name, seconds)
+      print(f"  {contender.name:<20} compile (first step) "
+            f"{compile_s.get(contender.name, math.nan):6.1f} s", flush=True)
+    except Exception as error:  # pylint: disable=broad-except
+      failed[contender.name] = f"{type(error).__name__}: {error}"
+      print(f"  {contender.name:<20} FAILED: {failed[contender.name]}", flush=True)
+  return compile_s, failed
+
+
+def race(contenders, params, batches, steps, log_every=0, load=None):
+  """One timed run, the contenders' steps interleaved round-robin.
+
+  A contender stops at its ``max_steps`` or when its loss is not finite.
+
+  Returns:
+    ``{name: {"step_s": [...], "loss": [...]}}``.
+  """
+  states = jax.block_until_ready({c.name: c.start(params) for c in contenders})
+  record = {c.name: dict(step_s=[], loss=[]) for c in contenders}
+  for i in range(steps):
+    active = [c for c in contenders if i < (c.max_steps or steps)
+              and all(map(math.isfinite, record[c.name]["loss"][-1:]))]
+    if not active:
+      break
+    shift = i % len(active)
+    for contender in active[shift:] + active[:shift]:
+      states[contender.name], loss, seconds = timed_step(
+          contender, states[contender.name], i, batches)
+      record[contender.name]["step_s"].append(seconds)
+      record[contender.name]["loss"].append(loss)
+    if load is not None and i % 10 == 0:
+      load.sample()
+    if log_every and (i + 1) % log_every == 0:
+      print(f"  step {i + 1:4d}: " + " | ".join(
+          f"{c.name} {np.mean(record[c.name]['loss'][-WINDOW:]):.3g} "
+          f"{1e3 * np.median(record[c.name]['step_s']):.0f}ms"
+          for c in active), flush=True)
+  return record
+
+
+class LoadSampler:
+  """The 1-minute load average during the run: other processes skew timings."""
+
+  def __init__(self):
+    self.samples = []
+    self.sample()
+
+  def sample(self):
+    self.samples.append(os.getloadavg()[0])
+
+  def summary(self):
+    self.sample()
+    return dict(min=min(self.samples), median=float(np.median(self.samples)),
+                max=max(self.samples))
+
+
+# --------------------------------------------------------------------------
+# Statistics
+
+
+def trailing_mean(values, window=WINDOW):
+  """Mean of the last ``window`` values at every position (fewer at the start)."""
+  cumulative = np.concatenate([[0.0], np.cumsum(np.asarray(values, np.float64))])
+  ends = np.arange(1, len(values) + 1)
+  starts = np.maximum(0, ends - window)
+  return (cumulative[ends] - cumulative[starts]) / (ends - starts)
+
+
+def first_reach(smoothed, step_s, target):
+  """``(steps, seconds)`` until ``smoothed`` first is <= ``target``, or Nones."""
+  hits = np.flatnonzero(np.asarray(smoothed) <= target)
+  if not len(hits):
+    return None, None
+  return int(hits[0]) + 1, float(np.sum(step_s[:hits[0] + 1]))
+
+
+def ratio(a, b):
+  return None if a is None or not b else float(a / b)
+
+
+def median_or_none(values):
+  return None if not values or None in values else float(np.median(values))
+
+
+def summarize(contenders, records, compile_s, target_steps, key_step):
+  """Per-contender rows (timings: medians over the repeats) and the targets.
+
+  Loss curves, final losses and steps to targets come from the first repeat
+  (runs are deterministic); seconds to targets are medians over repeats.
+  """
+  rows = {}
+  for c in contenders:
+    runs = [r[c.name] for r in records if r[c.name]["step_s"]]
+    losses = records[0][c.name]["loss"]
+    smoothed = trailing_mean(losses)
+    rows[c.name] = dict(
+        family=c.family, settings=c.settings, steps=len(losses),
+        median_ms=median_or_none([1e3 * np.median(r["step_s"]) for r in runs]),
+        mean_ms=median_or_none([1e3 * np.mean(r["step_s"]) for r in runs]),
+        compile_s=compile_s.get(c.name),
+        final_loss=float(smoothed[-1]) if len(losses) else None,
+        diverged=bool(len(losses) and not math.isfinite(losses[-1])),
+        losses=losses, smoothed=smoothed,
+        step_s=records[0][c.name]["step_s"])
+
+  adams = [n for n, r in rows.items() if r["family"] == "adam"
+           and r["final_loss"] is not None and math.isfinite(r["final_loss"])]
+  best_adam = min(adams, key=lambda n: rows[n]["final_loss"]) if adams else None
+  targets = []
+  for step in target_steps:
+    at = {n: rows[n]["smoothed"][min(step, rows[n]["steps"]) - 1] for n in adams}
+    if at:
+      source = min(at, key=at.get)
+      targets.append(dict(step=step, loss=float(at[source]), source=source))
+  for name, row in rows.items():
+    row["to_target"] = []
+    for target in targets:
+      reached = [first_reach(trailing_mean(r[name]["loss"]), r[name]["step_s"],
+                             target["loss"]) for r in records]
+      row["to_target"].append(dict(
+          steps=reached[0][0], seconds=median_or_none([s for _, s in reached])))
+  for target_index, target in enumerate(targets):
+    target["adam_seconds"] = rows[target["source"]]["to_target"][target_index]["seconds"]
+
+  reference = rows.get(KFAC_JAX_MATCHED, {})
+  key = [i for i, t in enumerate(targets) if t["step"] == key_step]
+  for row in rows.values():
+    for stat in ("mean_ms", "median_ms"):
+      row[f"{stat[:-3]}_vs_adam"] = ratio(
+          row[stat], rows[best_adam][stat] if best_adam else None)
+      row[f"{stat[:-3]}_vs_kfac_jax"] = ratio(row[stat], reference.get(stat))
+    row["key_target_time_vs_adam"] = ratio(
+        row["to_target"][key[0]]["seconds"], targets[key[0]]["adam_seconds"]
+    ) if key else None
+  return rows, dict(best_adam=best_adam, targets=targets, key_target_step=key_step,
+                    repeats=len(records), window=WINDOW)
+
+
+def check_goals(goals, rows):
+  out = []
+  for goal in goals:
+    for name, row in rows.items():
+      if row["family"] == "kfac_optax":
+        measured = row.get(goal.field)
+        out.append(dict(goal=goal.text, contender=name, measured=measured,
+                        limit=goal.limit,
+                        met=None if measured is None else measured <= goal.limit))
+  return out
+
+
+# --------------------------------------------------------------------------
+# Reports
+
+
+def environment():
+  """Machine, versions and the BLAS threads in effect (call inside the limit)."""
+  def first_line(path, prefix):
+    try:
+      with open(path, encoding="utf-8") as f:
+        return next((line.split(":", 1)[1].strip() for line in f
+                     if line.startswith(prefix)), None)
+    except OSError:
+      return None
+
+  def version(name):
+    try:
+      return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      return None
+
+  memory = first_line("/proc/meminfo", "MemTotal")
+  try:
+    import threadpoolctl  # pylint: disable=import-outside-toplevel
+    blas = sorted({f"{p['internal_api']} {p['num_threads']} thread(s)"
+                   for p in threadpoolctl.threadpool_info()
+                   if p["user_api"] == "blas"})
+  except ImportError:
+    blas = ["threadpoolctl missing: OpenBLAS threads not limited"]
+  return dict(
+      cpu=first_line("/proc/cpuinfo", "model name") or platform.machine(),
+      cores=len(os.sched_getaffinity(0)),
+      memory=f"{int(memory.split()[0]) / 2**20:.1f} GiB" if memory else None,
+      os=platform.platform(), python=platform.python_version(),
+      devices=[str(d) for d in jax.devices()], blas=blas,
+      xla_flags=os.environ.get("XLA_FLAGS", ""),
+      versions={name: version(name) for name in (
+          "jax", "jaxlib", "flax", "optax", "numpy", "kfac-jax", "kfac_optax")})
+
+
+def jsonable(value):
+  """NaN/inf -> None, numpy -> Python, recursively."""
+  if isinstance(value, dict):
+    return {str(k): jsonable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple, np.ndarray)):
+    return [jsonable(v) for v in list(value)]
+  if isinstance(value, (float, np.floating)):
+    return float(value) if math.isfinite(value) else None
+  if isinstance(value, np.integer):
+    return int(value)
+  return value
+
+
+def write_json(path, payload):
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(jsonable(payload), f, indent=1)
+
+
+def save_plot(path, rows, targets, title):
+  """Training loss against wall-clock time and against steps, every contender."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+  for name, row in rows.items():
+    if not row["steps"]:
+      continue
+    for ax, x in zip(axes, (np.cumsum(row["step_s"]),
+                            np.arange(1, row["steps"] + 1))):
+      line, = ax.plot(x, row["smoothed"], label=name, linewidth=1.3)
+      ax.plot(x, row["losses"], color=line.get_color(), alpha=0.15, linewidth=0.6)
+  for ax, label in zip(axes, ("wall-clock training time (s, compilation excluded)",
+                              "step")):
+    for target in targets:
+      ax.axhline(target["loss"], color="grey", linestyle=":", linewidth=0.8)
+    ax.set(xlabel=label, yscale="log",
+           ylabel=f"mini-batch training loss (lines: trailing mean of {WINDOW})")
+    ax.grid(True, which="both", alpha=0.3)
+  axes[1].legend(fontsize=8)
+  fig.suptitle(f"{title} (dotted: target losses)")
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def fmt(value, spec=".1f"):
+  return "—" if value is None else format(value, spec)
+
+
+def markdown_section(payload):
+  """The workload's section of RESULTS.md."""
+  env, rows, summary = payload["environment"], payload["rows"], payload["summary"]
+  config, load = payload["config"], payload["load_average"]
+  targets = summary["targets"]
+  lines = [
+      f"## {payload['title']}", "",
+      f"- **Command:** `{payload['command']}` ({payload['date']}, "
+      f"{payload['wall_s'] / 60:.1f} min)",
+      f"- **Machine:** {env['cpu']}, {env['cores']} cores, {env['memory']}; "
+      f"load average during the run {load['min']:.1f}-{load['max']:.1f} "
+      f"(median {load['median']:.1f}); BLAS: {', '.join(env['blas'])}",
+      "- **Versions:** " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
+      f"- **Workload:** {payload['description']} Batch {config['batch_size']}, "
+      f"{config['steps']} steps per timed run, {summary['repeats']} timed "
+      f"run(s), seed {config['seed']}.",
+      "- **Protocol:** see `benchmarks/harness.py`: same init, batches and "
+      "keys for all; compilation in a discarded warm-up; steps interleaved "
+      "round-robin; timings are medians over the timed runs. Mean ms/step "
+      "includes the inverse refreshes. Targets T*k* = the lowest smoothed "
+      f"(trailing mean of {WINDOW}) loss any Adam had at step *k*; cells give "
+      "steps / seconds to reach it (— = not reached).",
+  ]
+  if payload["kfac_jax_unavailable"]:
+    lines.append(f"- **kfac-jax not run:** {payload['kfac_jax_unavailable']}")
+  lines += [f"- **{name} failed:** `{error}`"
+            for name, error in payload["failed"].items()]
+  header = ["contender", "median ms/step", "mean ms/step", "compile s",
+            "final loss"] + [f"T{t['step']} = {t['loss']:.4g}" for t in targets] + [
+                "mean / best Adam", "mean / kfac-jax (matched)"]
+  lines += ["", "| " + " | ".join(header) + " |",
+            "|---|" + "---:|" * (len(header) - 1)]
+  for name, row in rows.items():
+    final = fmt(row["final_loss"], ".4g") + (" (diverged)" if row["diverged"] else "")
+    cells = [name, fmt(row["median_ms"]), fmt(row["mean_ms"]),
+             fmt(row["compile_s"]), final]
+    cells += [f"{fmt(t['steps'], 'd')} / {fmt(t['seconds'])}" for t in row["to_target"]]
+    cells += [fmt(row["mean_vs_adam"], ".2f"), fmt(row["mean_vs_kfac_jax"], ".2f")]
+    lines.append("| " + " | ".join(cells) + " |")
+  lines += ["", f"Best Adam: {summary['best_adam']}. Settings:", ""]
+  lines += [f"- {name}: " + ", ".join(f"{k}={v}" for k, v in row["settings"].items())
+            + (f" ({row['steps']} steps)" if row["steps"] != config["steps"] else "")
+            for name, row in rows.items()]
+  if payload["goals"]:
+    lines += ["", "| issue target | contender | measured | met |",
+              "|---|---|---:|---|"]
+    lines += [f"| {g['goal']} (<= {g['limit']:g}) | {g['contender']} | "
+              f"{fmt(g['measured'], '.2f')} | "
+              f"{ {True: 'yes', False: '**no**', None: 'not measured'}[g['met']]} |"
+              for g in payload["goals"]]
+  lines += ["", f"![{payload['name']}](results/{payload['name']}.png) "
+            f"Raw data: `benchmarks/results/{payload['name']}.json`."]
+  return "\n".join(lines)
+
+
+def update_markdown(path, name, section):
+  """Replaces the section between ``name``'s markers in ``path`` (or appends it)."""
+  begin = f"<!-- {name}:begin (written by benchmarks/{name}.py) -->"
+  end = f"<!-- {name}:end -->"
+  text = ""
+  if os.path.isfile(path):
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+  text = text or ("# Benchmark results\n\nEach section is rewritten by the "
+                  "script named in its command.\n")
+  block = f"{begin}\n{section}\n{end}"
+  if begin in text and end in text:
+    head, rest = text.split(begin, 1)
+    text = head + block + rest.split(end, 1)[1]
+  else:
+    text = text.rstrip("\n") + "\n\n" + block + "\n"
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(text)
+
+
+# --------------------------------------------------------------------------
+# Entry point
+
+
+def parse_args(argv, defaults: dict, description: str):
+  """Flags shared by the benchmarks; ``defaults`` sets the workload's values.
+
+  ``defaults`` needs steps, quick_steps, kfac_lr, kfac_damping, and may set
+  any other flag's default (``tuned`` as a dict).
+  """
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument("--quick", action="store_true",
+                      help="smoke test: a smaller workload, a few steps, one "
+                      "run, results to a temporary directory only")
+  parser.add_argument("--steps", type=int, help="timed steps per run")
+  parser.add_argument("--repeats", type=int, default=2, help="timed runs")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--kfac-lr", type=float)
+  parser.add_argument("--kfac-damping", type=float)
+  parser.add_argument("--kfac-momentum", type=float, default=0.9)
+  parser.add_argument("--kfac-inverse", default="cholesky",
+                      choices=["cholesky", "eigh"],
+                      help="cholesky matches kfac-jax's (LU) damped inverses")
+  parser.add_argument("--inverse-period", type=int, default=5)
+  parser.add_argument("--tuned", type=_settings,
+                      help="a second kfac_optax, e.g. 'learning_rate=0.1,"
+                      "damping=1' (any kfac_optax.kfac keyword); 'none': off")
+  parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction,
+                      default=False, help="a kfac_optax with the adaptive "
+                      "controls of the kfac-jax (adaptive) contender")
+  parser.add_argument("--adam-lrs", type=lambda s: [float(v) for v in s.split(",")],
+                      default=[1e-3, 3e-3, 1e-2])
+  parser.add_argument("--kfac-jax", default="auto",
+                      choices=["auto", "require", "skip"])
+  parser.add_argument("--kfac-jax-steps", type=int,
+                      help="kfac-jax contenders stop after this many steps")
+  parser.add_argument("--target-steps", type=lambda s: [int(v) for v in s.split(",")],
+                      default=[30, 60, 120, 240])
+  parser.add_argument("--key-target-step", type=int, default=120)
+  parser.add_argument("--out-dir", help="JSON and PNG (default benchmarks/results)")
+  parser.add_argument("--markdown", help="RESULTS.md to update "
+                      "(default benchmarks/RESULTS.md; none with --quick)")
+  parser.add_argument("--log-every", type=int, default=20)
+  parser.set_defaults(**{k: v for k, v in defaults.items() if k != "quick_steps"})
+  args = parser.parse_args(argv)
+  if args.quick:
+    args.steps, args.repeats = defaults["quick_steps"], 1
+    args.kfac_jax_steps, args.log_every = None, 0
+    args.target_steps = [min(s, args.steps) for s in args.target_steps]
+    args.key_target_step = args.target_steps[-1]
+  if args.out_dir is None and not args.quick:
+    args.out_dir = RESULTS_DIR
+  if args.markdown is None and not args.quick:
+    args.markdown = RESULTS_MD
+  return args
+
+
+def _settings(text):
+  """``"a=1,b=x"`` -> ``{"a": 1, "b": "x"}``; ``"none"`` -> ``{}``."""
+  def value(v):
+    try:
+      return ast.literal_eval(v)
+    except (ValueError, SyntaxError):
+      return v
+  pairs = (item.split("=", 1) for item in text.split(",") if item)
+  return {} if text.lower() == "none" else {k: value(v) for k, v in pairs}
+
+
+def main(make_workload, goals, defaults, argv=None, script=None):
+  """Runs one benchmark end to end; returns its results (the JSON payload).
+
+  Args:
+    make_workload: ``quick -> Workload``.
+    goals: the issue's `Goal`s for this workload.
+    defaults: see `parse_args`.
+    argv: command-line arguments (default ``sys.argv[1:]``).
+    script: the script's path, for the reported command.
+  """
+  started = time.perf_counter()
+  args = parse_args(argv, defaults, make_workload.__doc__.split("\n")[0])
+  command = " ".join(["python", os.path.relpath(script or sys.argv[0], REPO_ROOT),
+                      *(sys.argv[1:] if argv is None else argv)])
+  workload = make_workload(args.quick)
+  params = workload.model.init(
+      jax.random.key(args.seed),
+      workload.inputs(workload.batch(np.arange(workload.batch_size))))["params"]
+  print(f"{workload.title}: {workload.num_examples} examples, batch "
+        f"{workload.batch_size}, {args.steps} steps x {args.repeats} run(s)",
+        flush=True)
+  kfac_jax, unavailable = import_kfac_jax(args.kfac_jax)
+  if unavailable:
+    print(f"NOTE: kfac-jax not run: {unavailable}", flush=True)
+  contenders = make_contenders(workload, args, kfac_jax)
+  batches = Batches(workload, max(args.steps, WARMUP_STEPS), args.seed)
+  load = LoadSampler()
+  with single_threaded_lapack():
+    env = environment()
+    print(f"warm-up ({WARMUP_STEPS if not args.quick else 1} steps each, discarded):")
+    compile_s, failed = warm_up(contenders, params, batches,
+                                1 if args.quick else WARMUP_STEPS)
+    if failed and args.kfac_jax == "require":
+      raise RuntimeError(f"contenders failed: {failed}")
+    contenders = [c for c in contenders if c.name not in failed]
+    records = []
+    for repeat in range(args.repeats):
+      print(f"timed run {repeat + 1}/{args.repeats}:", flush=True)
+      records.append(race(contenders, params, batches, args.steps,
+                          args.log_every, load))
+  rows, summary = summarize(contenders, records, compile_s, args.target_steps,
+                            args.key_target_step)
+  payload = dict(
+      name=workload.name, title=workload.title, description=workload.description,
+      command=command, date=datetime.datetime.now(datetime.timezone.utc).strftime(
+          "%Y-%m-%d %H:%M UTC"),
+      environment=env, load_average=load.summary(),
+      config=dict(steps=args.steps, batch_size=workload.batch_size,
+                  num_examples=workload.num_examples, seed=args.seed,
+                  quick=args.quick, warmup_steps=WARMUP_STEPS),
+      kfac_jax_unavailable=unavailable, failed=failed, rows=rows,
+      summary=summary, goals=check_goals(goals, rows))
+  if args.out_dir:
+    save_plot(os.path.join(args.out_dir, f"{workload.name}.png"), rows,
+              summary["targets"], workload.title)
+  payload["wall_s"] = time.perf_counter() - started
+  if args.out_dir:
+    write_json(os.path.join(args.out_dir, f"{workload.name}.json"), payload)
+  if args.markdown:
+    update_markdown(args.markdown, workload.name, markdown_section(payload))
+  print("\n" + markdown_section(payload) + "\n")
+  print(f"done in {payload['wall_s']:.0f} s", flush=True)
+  return payload

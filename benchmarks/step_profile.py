@@ -1,0 +1,225 @@
+"""Where kfac_optax's training step spends its time, on each benchmark workload.
+
+Two views of the benchmark's kfac_optax step (same settings):
+
+1. Variants, timed interleaved as in the benchmarks (`harness.race`), each
+   switching one more part on: the gradient with an SGD-momentum update; +
+   preconditioning (statistics and inverses computed once, at step 0); +
+   statistics every step (capture pass and factor products); + an inverse
+   refresh every step. Differences of median step times give each part's
+   cost; the default step (the benchmarks' kfac_optax) refreshes the
+   inverses every 5 steps.
+2. An XLA profile (``jax.profiler``) of the statistics-every-step variant:
+   the time of every executed HLO op, grouped by the JAX name stack of the op
+   (its ``op_name``): the forward pass (shared with K-FAC's capture, see
+   `forward_sharing`), the user's backward pass, the capture pass's backward
+   pass (``vmap(transpose(jvp(...)))``: the vjp over sampled targets), K-FAC's
+   other matmuls (factor products, preconditioning) and everything else
+   (elementwise work, pooling, EMA, sampling, and ops without a JAX name such
+   as iota and layout copies). Op times are summed over XLA's threads, so
+   shares are shares of CPU time; the most expensive ops are listed.
+   XLA:CPU runs convolutions asynchronously in Eigen's thread pool, outside
+   the profiled op events, so the convnet's convolutions (forward and both
+   backward passes) are all but missing from this view; view 1 includes them.
+
+From the repository root::
+
+  python benchmarks/step_profile.py          # both workloads, writes RESULTS.md
+  python benchmarks/step_profile.py --quick  # a small autoencoder, prints only
+"""
+
+import argparse
+import collections
+import datetime
+import glob
+import os
+import re
+import sys
+import tempfile
+
+import jax
+import numpy as np
+import optax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import autoencoder  # pylint: disable=wrong-import-position
+from benchmarks import convnet  # pylint: disable=wrong-import-position
+from benchmarks import harness  # pylint: disable=wrong-import-position
+
+NAME = "step_profile"
+NEVER = 10**9  # a refresh period: once at step 0, then never
+TOP_OPS = 8
+PARTS = ("forward (shared with the capture)", "user backward",
+         "capture backward", "other K-FAC matmuls (factors, preconditioning)",
+         "LAPACK (inverses)", "elementwise, pooling, iota/copies and other")
+
+
+def variants(workload, settings, inverse_period):
+  """The step variants of view 1, cheapest first."""
+  example_batch = workload.batch(np.arange(workload.batch_size))
+  step = harness.train_step(workload)
+
+  def kfac(name, **overrides):
+    tx = harness.kfac_optax_tx(workload, example_batch, **{**settings, **overrides})
+    return harness.optax_contender(name, "kfac_optax", tx, overrides, workload, step)
+
+  sgd = optax.sgd(settings["learning_rate"], momentum=settings["momentum"])
+  return [
+      harness.optax_contender("gradient + SGD-momentum", "sgd", sgd, {},
+                              workload, step),
+      kfac("+ preconditioning", stats_update_period=NEVER,
+           inverse_update_period=NEVER),
+      kfac("+ statistics every step", inverse_update_period=NEVER),
+      kfac("+ inverses every step", inverse_update_period=1),
+      kfac(f"default (inverses every {inverse_period})",
+           inverse_update_period=inverse_period),
+  ]
+
+
+def part_of(hlo_line):
+  """Which `PARTS` entry an executed HLO op belongs to (None: a control-flow op,
+  whose time is that of the ops it runs)."""
+  match = re.match(r"^\s*(?:ROOT )?%(\S+) = .*? ([\w-]+)\(", hlo_line)
+  name, opcode = match.groups() if match else ("", "")
+  if opcode in ("while", "conditional", "call"):
+    return None
+  op_name = re.search(r'op_name="([^"]*)"', hlo_line)
+  op_name = op_name.group(1) if op_name else ""
+  matmul = opcode in ("dot", "convolution") or name.startswith("ynn_fusion")
+  if 'custom_call_target="lapack' in hlo_line:
+    return PARTS[4]
+  if re.search(r"\bjvp\(\w+\)/", op_name) and "transpose(" not in op_name:
+    return PARTS[0] if matmul else PARTS[5]
+  if "vmap(transpose(jvp(" in op_name:
+    return PARTS[2]
+  if "transpose(jvp(" in op_name:
+    return PARTS[1]
+  return PARTS[3] if matmul else PARTS[5]
+
+
+def op_profile(contender, params, batches, steps):
+  """Seconds per `PARTS` entry over ``steps`` profiled steps of ``contender``."""
+  state = contender.start(params)
+  state, _, _ = harness.timed_step(contender, state, 0, batches)  # compiled
+  directory = tempfile.mkdtemp(prefix="kfac_profile_")
+  with jax.profiler.trace(directory):
+    for i in range(1, steps + 1):
+      state, _, _ = harness.timed_step(contender, state, i, batches)
+  path, = glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
+  durations = collections.Counter()
+  for plane in jax.profiler.ProfileData.from_file(path).planes:
+    for line in plane.lines:
+      for event in line.events:
+        stats = dict(event.stats)
+        if "hlo_op" in stats and "jit_step" in str(stats.get("hlo_module", "")):
+          durations[stats["hlo_op"]] += event.duration_ns * 1e-9
+  return durations
+
+
+def hlo_lines(workload, contender, params, batches):
+  """``{instruction name: its HLO line}`` of the contender's compiled step."""
+  state = contender.start(params)
+  batch, rng = batches(0)
+  text = harness.train_step(workload).lower(state, batch, rng).compile().as_text()
+  return {m.group(1): line for line in text.splitlines()
+          if (m := re.match(r"^\s*(?:ROOT )?%(\S+) = ", line))}
+
+
+def profile(workload, settings, inverse_period, steps, profile_steps):
+  params = workload.model.init(
+      jax.random.key(0),
+      workload.inputs(workload.batch(np.arange(workload.batch_size))))["params"]
+  batches = harness.Batches(workload, steps + profile_steps + 2, seed=0)
+  contenders = variants(workload, settings, inverse_period)
+  with harness.single_threaded_lapack():
+    harness.warm_up(contenders, params, batches, 2)
+    record = harness.race(contenders, params, batches, steps)
+    statistics = contenders[2]
+    durations = op_profile(statistics, params, batches, profile_steps)
+  median = {c.name: 1e3 * float(np.median(record[c.name]["step_s"][1:]))
+            for c in contenders}
+  names = list(median)
+  parts_ms, top_ops = collections.Counter(), []
+  lines = hlo_lines(workload, statistics, params, batches)
+  for op, seconds in durations.most_common():
+    part = part_of(lines.get(op, ""))
+    if part is not None:
+      parts_ms[part] += 1e3 * seconds / profile_steps
+      if len(top_ops) < TOP_OPS:
+        op_name = re.search(r'op_name="([^"]*)"', lines.get(op, ""))
+        top_ops.append(dict(op=op, ms=1e3 * seconds / profile_steps, part=part,
+                            op_name=op_name.group(1) if op_name else ""))
+  return dict(
+      median_ms=median,
+      differences_ms={
+          "preconditioning": median[names[1]] - median[names[0]],
+          "statistics (capture + factor products + EMA)":
+              median[names[2]] - median[names[1]],
+          "one inverse refresh": median[names[3]] - median[names[2]],
+          f"inverse refresh, amortised over {inverse_period} steps":
+              (median[names[3]] - median[names[2]]) / inverse_period},
+      op_ms_per_step={part: parts_ms.get(part, 0.0) for part in PARTS},
+      top_ops=top_ops)
+
+
+def markdown_section(results, command, date):
+  lines = ["## Where kfac_optax's step time goes", "",
+           f"- **Command:** `{command}` ({date}); method: see the docstring of "
+           "`benchmarks/step_profile.py`. One OpenBLAS thread.", ""]
+  for name, r in results.items():
+    step = r["median_ms"][list(r["median_ms"])[2]]
+    total = sum(r["op_ms_per_step"].values())
+    lines += [f"### {name}", "", "| variant | median ms/step |", "|---|---:|"]
+    lines += [f"| {k} | {v:.1f} |" for k, v in r["median_ms"].items()]
+    lines += ["", "| part (from the differences) | ms/step |", "|---|---:|"]
+    lines += [f"| {k} | {v:.1f} |" for k, v in r["differences_ms"].items()]
+    lines += ["", f"XLA op profile of the statistics-every-step variant "
+              f"(median step {step:.1f} ms; op time summed over threads; "
+              "convolutions run outside the profiled events and are missing):", "",
+              "| part | CPU ms/step | share |", "|---|---:|---:|"]
+    lines += [f"| {k} | {v:.1f} | {v / total:.0%} |"
+              for k, v in r["op_ms_per_step"].items()]
+    lines += ["", f"The {TOP_OPS} most expensive ops:", "",
+              "| HLO op | CPU ms/step | part | JAX op name |", "|---|---:|---|---|"]
+    lines += [f"| `{o['op']}` | {o['ms']:.1f} | {o['part']} | "
+              f"`{o['op_name'] or '(none)'}` |"
+              for o in r["top_ops"]]
+    lines.append("")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--quick", action="store_true",
+                      help="the small autoencoder only, few steps, no files")
+  parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--profile-steps", type=int, default=5)
+  parser.add_argument("--markdown", help="RESULTS.md to update (default "
+                      "benchmarks/RESULTS.md; none with --quick)")
+  args = parser.parse_args(argv)
+  if args.quick:
+    args.steps, args.profile_steps = 2, 1
+  elif args.markdown is None:
+    args.markdown = harness.RESULTS_MD
+  results = {}
+  for module in (autoencoder,) if args.quick else (autoencoder, convnet):
+    defaults = module.DEFAULTS
+    settings = dict(learning_rate=defaults["kfac_lr"], damping=defaults["kfac_damping"],
+                    momentum=0.9, inverse="cholesky")
+    workload = module.workload(args.quick)
+    print(f"{workload.title}:", flush=True)
+    results[workload.title] = r = profile(workload, settings, 5, args.steps,
+                                          args.profile_steps)
+    for k, v in {**r["median_ms"], **r["differences_ms"], **r["op_ms_per_step"]}.items():
+      print(f"  {k:<52} {v:8.1f} ms")
+  if args.markdown:
+    command = "python benchmarks/step_profile.py"
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    harness.write_json(os.path.join(harness.RESULTS_DIR, f"{NAME}.json"),
+                       dict(command=command, date=date, results=results))
+    harness.update_markdown(args.markdown, NAME, markdown_section(results, command, date))
+  return results
+
+
+if __name__ == "__main__":
+  main()
