@@ -95,6 +95,9 @@ def parse_args(argv=None):
   parser.add_argument("--inverse", default="cholesky",
                       choices=["cholesky", "eigh"],
                       help="how K-FAC inverts its damped factors")
+  parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                      help="params and activations; K-FAC's statistics and "
+                      "inverses stay float32")
   parser.add_argument("--inverse-period", type=int, default=5,
                       help="refresh the factor inverses every N steps")
   parser.add_argument("--log-every", type=int, default=20)
@@ -233,8 +236,9 @@ def make_evaluate(apply_fn, loss, batch_sharding):
 
 
 def host_params(params):
-  """Replicated global parameters as a flat ``{"Dense_0/kernel": ndarray}``."""
-  return {key: np.asarray(value) for key, value in
+  """Replicated global parameters as a flat ``{"Dense_0/kernel": ndarray}``
+  in float32 (exact for bfloat16 params; .npz has no bfloat16)."""
+  return {key: np.asarray(value, np.float32) for key, value in
           traverse_util.flatten_dict(params, sep="/").items()}
 
 
@@ -291,7 +295,7 @@ def main(argv=None):
         f"devices, feeds rows {rows[0]}:{rows[1]} of each global batch",
         flush=True)
 
-  model = mlp_classifier.MLP(num_classes=num_classes)
+  model = mlp_classifier.MLP(num_classes=num_classes, dtype=jnp.dtype(args.dtype))
   loss = kfac_optax.losses.softmax_cross_entropy()
   # K-FAC discovers the layers on an example of a global batch.
   example_batch = (x_train[:args.batch_size], y_train[:args.batch_size])

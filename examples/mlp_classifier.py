@@ -42,12 +42,14 @@ class MLP(nn.Module):
   """Fully connected classifier: features -> 256 -> 128 -> classes, tanh."""
   num_classes: int = 10
   hidden: tuple[int, ...] = (256, 128)
+  dtype: jnp.dtype = jnp.float32  # params and activations
 
   @nn.compact
   def __call__(self, x):
+    dense = lambda width: nn.Dense(width, dtype=self.dtype, param_dtype=self.dtype)
     for width in self.hidden:
-      x = jnp.tanh(nn.Dense(width)(x))
-    return nn.Dense(self.num_classes)(x)
+      x = jnp.tanh(dense(width)(x))
+    return dense(self.num_classes)(x)
 
 
 def parse_args(argv=None):
