@@ -91,12 +91,7 @@ def parse_args(argv=None):
                       help="where to save the loss curves (PNG; default "
                       "examples/output/convnet.png)")
   parser.add_argument("--activation", default="relu", choices=list(ACTIVATIONS))
-  parser.add_argument("--train-size", type=int, default=None,
-                      help="use only the first N training examples "
-                      f"(default all; {QUICK_TRAIN_SIZE} with --quick)")
-  parser.add_argument("--test-size", type=int, default=None,
-                      help="use only the first N test examples "
-                      f"(default all; {QUICK_TEST_SIZE} with --quick)")
+  datasets.add_subset_flags(parser, QUICK_TRAIN_SIZE, QUICK_TEST_SIZE)
   # Defaults from a sweep on Fashion-MNIST (300 steps of batch 128, momentum
   # 0.9; training loss on 10k training images): lr = damping = 1e-3 gave
   # 0.258; lr 3e-3 with damping 3e-3 / 1e-2 gave 0.268 / 0.274; lr 1e-2 and

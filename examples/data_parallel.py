@@ -81,12 +81,7 @@ def parse_args(argv=None):
   parser.add_argument("--batch-size", type=int, default=256,
                       help="global batch size, a multiple of the number of "
                       "devices")
-  parser.add_argument("--train-size", type=int, default=None,
-                      help="use only the first N training examples "
-                      f"(default all; {QUICK_TRAIN_SIZE} with --quick)")
-  parser.add_argument("--test-size", type=int, default=None,
-                      help="use only the first N test examples "
-                      f"(default all; {QUICK_TEST_SIZE} with --quick)")
+  datasets.add_subset_flags(parser, QUICK_TRAIN_SIZE, QUICK_TEST_SIZE)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--lr", type=float, default=0.01)
   parser.add_argument("--damping", type=float, default=1e-2)

@@ -107,3 +107,13 @@ def load_classification(name="auto"):
     return (*load_digits(), "scikit-learn digits (8x8, 10 classes)")
   raise ValueError(
       f"unknown data set {name!r}; use 'auto', 'fashion_mnist' or 'digits'")
+
+
+def add_subset_flags(parser, quick_train_size, quick_test_size):
+  """``--train-size``/``--test-size``: train and evaluate on leading slices."""
+  parser.add_argument("--train-size", type=int, default=None,
+                      help="use only the first N training examples "
+                      f"(default all; {quick_train_size} with --quick)")
+  parser.add_argument("--test-size", type=int, default=None,
+                      help="use only the first N test examples "
+                      f"(default all; {quick_test_size} with --quick)")

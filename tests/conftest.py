@@ -11,7 +11,6 @@ jax.config.update("jax_num_cpu_devices", 8)
 # jaxlib's CPU eigh/Cholesky call SciPy's OpenBLAS; with its default threads,
 # LAPACK calls running at once in one XLA program can stall on 2 cores. One
 # BLAS thread for the whole session (XLA's own matmuls do not use OpenBLAS).
-import scipy.linalg  # noqa: E402,F401  loads the OpenBLAS that jaxlib calls
-import threadpoolctl  # noqa: E402
+from examples.transformer_lm import single_threaded_lapack  # noqa: E402
 
-_BLAS_LIMIT = threadpoolctl.threadpool_limits(1, user_api="blas")
+single_threaded_lapack().__enter__()  # kept for the whole session
