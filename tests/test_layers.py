@@ -262,7 +262,7 @@ def check_head(family, branches):
 
 
 # --------------------------------------------------------------------------
-# 1. nn.Conv (KFC): 1-D, 2-D and 3-D, every padding mode, strides, dilations,
+# 1. nn.Conv (KFC): 1-D to 4-D, every padding mode, strides, dilations,
 #    groups.
 
 CONV_BRANCHES = (
@@ -283,6 +283,8 @@ CONV_BRANCHES = (
     branch("c1_input_dilation_stride2", "conv", (BATCH, 5, 2),
            features=3, kernel_size=(3,), padding=((2, 1),), input_dilation=2,
            strides=2),
+    branch("c1_negative_padding", "conv", (BATCH, 7, 2),
+           features=2, kernel_size=(2,), padding=((-1, 1),), strides=2),
     branch("c1_extra_leading_axis", "conv", (BATCH, 2, 6, 2),
            features=3, kernel_size=(2,), padding="SAME"),
     # 2-D.
@@ -318,6 +320,9 @@ CONV_BRANCHES = (
            kernel_dilation=(1, 2, 1), input_dilation=(1, 1, 2)),
     branch("c3_circular", "conv", (BATCH, 4, 4, 3, 2),
            features=2, kernel_size=(3, 2, 2), padding="CIRCULAR", strides=(1, 2, 1)),
+    # 4-D.
+    branch("c4_valid_strides", "conv", (BATCH, 3, 3, 2, 3, 2),
+           features=2, kernel_size=(2, 2, 1, 2), padding="VALID", strides=(1, 2, 1, 1)),
 )
 CONV_CASES = {b.name: b for b in CONV_BRANCHES}
 
