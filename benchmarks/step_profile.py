@@ -12,8 +12,9 @@ Two views of the benchmark's kfac_optax step (same settings):
 2. An XLA profile (``jax.profiler``) of the statistics-every-step variant:
    the time of every executed HLO op, grouped by the JAX name stack of the op
    (its ``op_name``): the forward pass (shared with K-FAC's capture, see
-   `forward_sharing`), the user's backward pass, the capture pass's backward
-   pass (``vmap(transpose(jvp(...)))``: the vjp over sampled targets), K-FAC's
+   `forward_sharing`), the backward passes (the user's and the capture
+   pass's vjp of the sampled targets: with one sample both are named
+   ``transpose(jvp(...))`` and XLA shares what they compute alike), K-FAC's
    other matmuls (factor products, preconditioning) and everything else
    (elementwise work, pooling, EMA, sampling, and ops without a JAX name such
    as iota and layout copies). Op times are summed over XLA's threads, so
@@ -49,8 +50,9 @@ from benchmarks import harness  # pylint: disable=wrong-import-position
 NAME = "step_profile"
 NEVER = 10**9  # a refresh period: once at step 0, then never
 TOP_OPS = 8
-PARTS = ("forward (shared with the capture)", "user backward",
-         "capture backward", "other K-FAC matmuls (factors, preconditioning)",
+PARTS = ("forward (shared with the capture)",
+         "backward passes (user's and capture's)",
+         "other K-FAC matmuls (factors, preconditioning)",
          "LAPACK (inverses)", "elementwise, pooling, iota/copies and other")
 
 
@@ -87,14 +89,12 @@ def part_of(hlo_line):
   op_name = op_name.group(1) if op_name else ""
   matmul = opcode in ("dot", "convolution") or name.startswith("ynn_fusion")
   if 'custom_call_target="lapack' in hlo_line:
-    return PARTS[4]
+    return PARTS[3]
   if re.search(r"\bjvp\(\w+\)/", op_name) and "transpose(" not in op_name:
-    return PARTS[0] if matmul else PARTS[5]
-  if "vmap(transpose(jvp(" in op_name:
-    return PARTS[2]
+    return PARTS[0] if matmul else PARTS[4]
   if "transpose(jvp(" in op_name:
     return PARTS[1]
-  return PARTS[3] if matmul else PARTS[5]
+  return PARTS[2] if matmul else PARTS[4]
 
 
 def op_profile(contender, params, batches, steps):
