@@ -92,7 +92,13 @@ def format_logs(outputs):
 # bfloat16: params and activations; K-FAC's statistics and inverses float32.
 # One process and two may round a float32 result to neighbouring bfloat16
 # values (one ulp: 2⁻⁸ relative), hence the looser tolerance.
-@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-4), ("bfloat16", 2e-2)])
+# Both processes must agree bit for bit; against one process, float32 checks
+# the arithmetic (measured <= 7.4e-6). In bfloat16 the result also depends on
+# where XLA rounds, which differs between the one- and two-process programs
+# and moves with any change to the program: measured 8.2e-3 before and 5.9e-2
+# after the capture's backward pass became unbatched (commit 31c1812), whose
+# float32 figures did not change in any digit.
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-4), ("bfloat16", 1e-1)])
 def test_two_processes_match_one_process(tmp_path, dtype, tolerance):
   flags = FLAGS + ["--dtype", dtype]
   port = free_port()
