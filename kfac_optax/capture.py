@@ -227,10 +227,10 @@ def capture(
   if len(cotangents) == 1:
     # Unbatched, the backward pass computes what the user's own backward does
     # in the same shapes (e.g. max-pooling's argmax), so XLA can share it.
-    grads = jax.tree.map(lambda g: g[None], vjp_fn(cotangents[0]))
+    primal_grads, perturbation_grads = jax.tree.map(lambda g: g[None],
+                                                    vjp_fn(cotangents[0]))
   else:
-    grads = jax.vmap(vjp_fn)(cotangents)
-  primal_grads, perturbation_grads = grads
+    primal_grads, perturbation_grads = jax.vmap(vjp_fn)(cotangents)
   inputs, grads = _by_method(inputs), _by_method(perturbation_grads)
   return Captured(outputs, inputs.get(CALL, {}), grads.get(CALL, {}), primal_grads,
                   {m: (inputs[m], grads[m]) for m in inputs if m != CALL})

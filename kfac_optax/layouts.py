@@ -158,13 +158,12 @@ class ConvLayout:
         (0, 0, 0), *[(lo, hi, d - 1) for (lo, hi), d in zip(padding, self.input_dilation)],
         (0, 0, 0)])
     outputs = [(n - k) // s + 1 for n, k, s in zip(x.shape[1:-1], dilated_kernel, self.strides)]
-    taps = [jax.lax.slice(
-        x, (0, *starts, 0),
-        (x.shape[0], *[b + (o - 1) * s + 1 for b, o, s in zip(starts, outputs, self.strides)],
-         x.shape[-1]),
-        (1, *self.strides, 1))
-        for offset in itertools.product(*map(range, self.kernel_size))
-        for starts in [[o * d for o, d in zip(offset, self.kernel_dilation)]]]
+    taps = []  # one strided slice per kernel offset, in the kernel's order
+    for offset in itertools.product(*map(range, self.kernel_size)):
+      start = [o * d for o, d in zip(offset, self.kernel_dilation)]
+      limit = [b + (n - 1) * s + 1 for b, n, s in zip(start, outputs, self.strides)]
+      taps.append(jax.lax.slice(x, (0, *start, 0), (x.shape[0], *limit, x.shape[-1]),
+                                (1, *self.strides, 1)))
     # (rows, taps, groups, c_in / groups) -> the kernel's order per group.
     patches = jnp.stack(taps, -2).reshape(-1, len(taps), self.groups,
                                           self.in_channels // self.groups)

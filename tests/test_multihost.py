@@ -90,8 +90,6 @@ def format_logs(outputs):
 
 
 # bfloat16: params and activations; K-FAC's statistics and inverses float32.
-# One process and two may round a float32 result to neighbouring bfloat16
-# values (one ulp: 2⁻⁸ relative), hence the looser tolerance.
 # Both processes must agree bit for bit; against one process, float32 checks
 # the arithmetic (measured <= 7.4e-6). In bfloat16 the result also depends on
 # where XLA rounds, which differs between the one- and two-process programs
