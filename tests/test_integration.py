@@ -42,10 +42,15 @@ def loss_value(params, batch):
 grad_fn = jax.grad(loss_value)
 
 
-def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-7):
+def assert_trees_close(actual, expected, rtol=1e-5):
+  """Each leaf within ``rtol`` of its largest entry: float32 after a solve
+  differs between machines (reduction order) by a few ulps of the largest
+  entries, which is far more than an ulp of the small ones."""
   assert jax.tree.structure(actual) == jax.tree.structure(expected)
   for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+    e = np.asarray(e)
+    scale = np.max(np.abs(e)) if e.size else 0.0
+    np.testing.assert_allclose(np.asarray(a), e, rtol=0, atol=rtol * scale + 1e-30)
 
 
 def trees_differ(a, b, rtol=1e-3):
@@ -235,8 +240,8 @@ def test_train_state_apply_gradients_matches_manual_update():
     old_params = state.params
     state, manual_params, manual_opt_state = step(state, batch, rng)
     assert int(state.step) == t + 1
-    assert_trees_close(state.params, manual_params, rtol=0, atol=0)
-    assert_trees_close(state.opt_state, manual_opt_state, rtol=0, atol=0)
+    assert_trees_close(state.params, manual_params, rtol=0)
+    assert_trees_close(state.opt_state, manual_opt_state, rtol=0)
     assert trees_differ(state.params, old_params, rtol=1e-4)
 
 
@@ -278,10 +283,10 @@ def test_train_state_overwrite_with_gradient():
     assert int(state.step) == t + 1
     assert set(state.params) == {"params", OVERWRITE_WITH_GRADIENT}
     assert_trees_close(state.params[OVERWRITE_WITH_GRADIENT],
-                       grads[OVERWRITE_WITH_GRADIENT], rtol=0, atol=0)
+                       grads[OVERWRITE_WITH_GRADIENT], rtol=0)
     assert trees_differ(grads[OVERWRITE_WITH_GRADIENT],
                         old[OVERWRITE_WITH_GRADIENT])
-    assert_trees_close(state.params["params"], manual, rtol=1e-6, atol=1e-7)
+    assert_trees_close(state.params["params"], manual, rtol=1e-6)
     assert trees_differ(state.params["params"], old["params"], rtol=1e-4)
 
 
