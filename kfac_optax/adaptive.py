@@ -73,19 +73,37 @@ def norm_constraint(inner: optax.GradientTransformation, max_norm: float,
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+# Momentum the quadratic model may choose: below 0 a step undoes part of the
+# last one; above 1 the steps grow geometrically. Both were seen when the 2x2
+# system was nearly singular (momentum swinging between -3e8 and 9).
+MOMENTUM_RANGE = (0.0, 1.0)
+# The 2x2 system is used only when 1 - r² > this, with r the cosine of v and
+# the previous step under M: nearly parallel directions make it singular in
+# float32, and the learning rate alone then loses (almost) nothing.
+MIN_INDEPENDENCE = 1e-3
+
+
 def quadratic_coefficients(curvature: jax.Array, linear: jax.Array,
                            learning_rate: Any, momentum: Any,
                            use_previous: jax.Array
                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """The step ``δ = α v + μ p`` that minimises the quadratic model.
+  """The step ``δ = α v + μ p`` that minimises the quadratic model, safeguarded.
 
   With directions ``v`` (preconditioned gradient) and ``p`` (previous step),
   ``M_ij = d_iᵀ (F + (λ+η) I) d_j`` and ``b_i = ∇hᵀ d_i``, the model along
   them is ``q(c) = bᵀc + ½ cᵀ M c``. Coefficients given as numbers are kept
-  (``α = -learning_rate``, ``μ = momentum``); ``None`` ones are solved for:
-  both free is the 2x2 system ``M c = -b``, one free a 1x1 solve given the
-  other. Without a previous step (``use_previous`` false, e.g. the first
-  update) ``μ = 0`` and only α is solved.
+  (``α = -learning_rate``, ``μ = momentum``); ``None`` ones are solved for.
+  A solved μ minimises q over ``μ ∈ MOMENTUM_RANGE``: since
+  ``φ(μ) = min_α q(α, μ)`` is a convex parabola, that is the unconstrained
+  optimum ``μ* = (m₀₁b₀ - m₀₀b₁) / det M`` clipped to the range, with α
+  re-solved for it, ``α = -(b₀ + m₀₁μ) / m₀₀``. Safeguards:
+
+  - without a previous step (``use_previous`` false), or when ``v`` and ``p``
+    are nearly parallel under M (``det M ≤ MIN_INDEPENDENCE · m₀₀ m₁₁``),
+    μ = 0 and α alone is solved;
+  - with α solved, a step the model does not predict to decrease the loss
+    (``q(c) ≥ 0`` or non-finite, from round-off or a non-finite M) is not
+    taken: ``α = μ = 0``.
 
   Args:
     curvature: M, (2, 2).
@@ -97,23 +115,31 @@ def quadratic_coefficients(curvature: jax.Array, linear: jax.Array,
   Returns:
     ``(α, μ, q(c))``: the coefficients and the model's predicted change.
   """
-  m, b = curvature, linear
+  m00, m11 = curvature[0, 0], curvature[1, 1]
+  m01 = 0.5 * (curvature[0, 1] + curvature[1, 0])
+  b0, b1 = linear[0], linear[1]
   safe = lambda x: jnp.where(x > 0, x, 1.0)
-  if learning_rate is None and momentum is None:
-    joint = jnp.linalg.solve(jnp.where(use_previous, m, jnp.diag(jnp.stack(
-        [m[0, 0], 1.0]))), -jnp.where(use_previous, b, b * jnp.array([1.0, 0.0])))
-    alpha, mu = joint[0], joint[1]
+  clip = lambda mu: jnp.clip(mu, *MOMENTUM_RANGE)
+  det = m00 * m11 - jnp.square(m01)
+  if momentum is not None:
+    mu = jnp.where(use_previous, jnp.asarray(momentum, jnp.float32), 0.0)
   elif learning_rate is None:
-    mu = jnp.where(use_previous, momentum, 0.0)
-    alpha = -(b[0] + m[0, 1] * mu) / safe(m[0, 0])
+    independent = use_previous & (det > MIN_INDEPENDENCE * m00 * m11)
+    mu = jnp.where(independent, clip((m01 * b0 - m00 * b1) / safe(det)), 0.0)
+  else:
+    mu = jnp.where(use_previous & (m11 > 0), clip(
+        -(b1 - m01 * jnp.asarray(learning_rate, jnp.float32)) / safe(m11)), 0.0)
+  if learning_rate is None:
+    alpha = -(b0 + m01 * mu) / safe(m00)
   else:
     alpha = -jnp.asarray(learning_rate, jnp.float32)
-    if momentum is None:
-      mu = jnp.where(use_previous, -(b[1] + m[1, 0] * alpha) / safe(m[1, 1]), 0.0)
-    else:
-      mu = jnp.asarray(momentum, jnp.float32)
   c = jnp.stack([alpha, mu]).astype(jnp.float32)
-  return alpha, mu, b @ c + 0.5 * c @ m @ c
+  change = linear @ c + 0.5 * c @ curvature @ c
+  if learning_rate is None:
+    take = jnp.isfinite(change) & (change < 0)
+    alpha, mu = jnp.where(take, alpha, 0.0), jnp.where(take, mu, 0.0)
+    change = jnp.where(take, change, 0.0)
+  return alpha, mu, change
 
 
 def levenberg_marquardt(damping: jax.Array, rho: jax.Array, decay: Any,

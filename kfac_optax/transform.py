@@ -21,6 +21,8 @@ from kfac_optax.curvature import Curvature
 from kfac_optax.curvature import ScaleByKFACState
 
 _NAN = float("nan")
+# momentum="auto" with a given learning rate.
+FIXED_MOMENTUM = 0.9
 
 
 def _value_at(hyperparameter: Any, count: jax.Array) -> jax.Array:
@@ -216,8 +218,8 @@ def kfac(
     loss: losses.PredictiveLoss,
     *,
     example_batch: Any,
-    learning_rate: optax.ScalarOrSchedule | None,
-    momentum: optax.ScalarOrSchedule | None = 0.9,
+    learning_rate: optax.ScalarOrSchedule | None = None,
+    momentum: optax.ScalarOrSchedule | str | None = "auto",
     inputs: Callable[[Any], Any] | None = None,
     damping: optax.ScalarOrSchedule = 1e-3,
     ema_decay: float = 0.95,
@@ -230,7 +232,7 @@ def kfac(
     layer_overrides: dict[str, str] | None = None,
     mesh: jax.sharding.Mesh | None = None,
     norm_constraint: float | None = None,
-    adaptive_damping: bool = False,
+    adaptive_damping: bool | None = None,
     damping_adaptation_interval: int = 5,
     damping_adaptation_decay: float = 0.95,
     min_damping: float = 1e-8,
@@ -294,6 +296,13 @@ def kfac(
     Second-Order Optimization using Kronecker-Factored Approximations",
     ICLR 2017.
   """
+  if isinstance(momentum, str):
+    if momentum != "auto":
+      raise ValueError(f'momentum must be a number, a schedule, None or "auto", '
+                       f"got {momentum!r}")
+    momentum = None if learning_rate is None else FIXED_MOMENTUM
+  if adaptive_damping is None:
+    adaptive_damping = learning_rate is None
   curvature = _curvature_of(locals())
   if norm_constraint is not None and learning_rate is None:
     raise ValueError("norm_constraint bounds the step of a given learning "
@@ -333,18 +342,19 @@ def kfac(
     mu = None if momentum is None else _value_at(momentum, count)
     qmodel_change = state.qmodel_change
     if solve:
+      directions = (v, previous)
       outputs, tangents = curvature.output_tangents(
           params, batch, jax.tree.map(lambda a, b: jnp.stack([a, b.astype(a.dtype)]),
-                                      v, previous), variables, rng)
+                                      *directions), variables, rng)
       fisher = curvature.output_fisher(outputs, batch, tangents)
       flat = lambda x: x.reshape(2, -1).astype(jnp.float32)
-      directions = (v, previous)
       gram = jnp.array([[adaptive.tree_dot(a, b) for b in directions]
                         for a in directions])
-      matrix = flat(tangents) @ flat(fisher).T + (damping_now + l2_reg) * gram
+      # Without λ: the model whose change ρ compares with the loss's.
+      undamped = flat(tangents) @ flat(fisher).T + l2_reg * gram
       linear = jnp.stack([vg, adaptive.tree_dot(grads, previous)])
       alpha, mu_now, qmodel_change = adaptive.quadratic_coefficients(
-          matrix, linear, lr, mu, gram[1, 1] > 0)
+          undamped + damping_now * gram, linear, lr, mu, gram[1, 1] > 0)
     else:
       alpha = -jnp.asarray(lr, jnp.float32)
       if norm_constraint is not None:
@@ -357,21 +367,39 @@ def kfac(
 
     rho, new_damping = state.rho, damping_now
     if adaptive_damping:
-      def measure(_):
-        outputs, tangent = jax.jvp(
+      def undamped_change():
+        """``q₀(δ)`` (the model without λ) and the outputs at ``params``."""
+        if solve:  # the model along v and p is already known
+          c = jnp.stack([alpha, mu_now])
+          return linear @ c + 0.5 * c @ undamped @ c, outputs
+        model_outputs, tangent = jax.jvp(
             lambda p: curvature.forward(p, batch, variables, rng), (params,), (delta,))
-        fisher = curvature.output_fisher(outputs, batch, tangent)
-        change = (adaptive.tree_dot(grads, delta)
-                  + 0.5 * (jnp.vdot(tangent.astype(jnp.float32), fisher)
-                           + l2_reg * adaptive.tree_dot(delta, delta)))
+        fisher_tangent = curvature.output_fisher(model_outputs, batch, tangent)
+        return (adaptive.tree_dot(grads, delta)
+                + 0.5 * (jnp.vdot(tangent.astype(jnp.float32), fisher_tangent)
+                         + l2_reg * adaptive.tree_dot(delta, delta))), model_outputs
+
+      def measure(_):
+        change, model_outputs = undamped_change()
         moved = curvature.loss_value(optax.apply_updates(params, delta), batch,
                                      variables, rng)
-        return (moved - loss.value(outputs, batch)) / change
-      due = moving & ((count - num_burnin_steps) % damping_adaptation_interval == 0)
+        # ρ compares an actual decrease with a predicted one: a step the model
+        # does not predict to decrease the loss (a fixed learning rate that
+        # overshoots) is a failed step, ρ = nan, whatever the loss did.
+        return jnp.where(change < 0, (moved - loss.value(model_outputs, batch))
+                         / jnp.where(change < 0, change, 1.0), _NAN)
+      # Measured every interval, and every step after a poor step (ρ < ¼ or
+      # non-finite) until a good one, so λ reacts within a few steps.
+      due = moving & (((count - num_burnin_steps) % damping_adaptation_interval == 0)
+                      | ~(state.rho >= 0.25))
       rho = jax.lax.cond(due, measure, lambda _: state.rho, None)
       new_damping = jnp.where(due, adaptive.levenberg_marquardt(
           damping_now, rho, damping_adaptation_decay, damping_adaptation_interval,
           min_damping, max_damping), damping_now)
+      # A measured step that raised the loss, made it non-finite or was not
+      # predicted to lower it is not taken; the momentum restarts from zero.
+      rejected = due & ~(rho >= 0.0)
+      delta = jax.tree.map(lambda d: jnp.where(rejected, jnp.zeros_like(d), d), delta)
 
     new_state = KFACState(
         curvature_state, delta, optax.safe_increment(count), new_damping,

@@ -165,7 +165,7 @@ def test_norm_constraint_bounds_the_update_fisher_norm():
 def test_qmodel_coefficients_minimise_the_explicit_quadratic_model():
   l2 = 1e-3
   tx = kfac_optax.kfac(bf.TinyMLP().apply, LOSS, learning_rate=None, momentum=None,
-                       l2_reg=l2, **SETTINGS)
+                       adaptive_damping=False, l2_reg=l2, **SETTINGS)
   updates, states = run(tx)
   curv = curvature()
   for step, (update, state) in enumerate(zip(updates, states)):
@@ -177,9 +177,11 @@ def test_qmodel_coefficients_minimise_the_explicit_quadratic_model():
     curvature_matrix = fisher + (DAMPING + l2) * np.eye(len(g))
     if step == 0:  # no previous step: the 1x1 model along v
       coefficients = np.array([-(g @ v) / (v @ curvature_matrix @ v), 0.0])
-    else:
+    else:  # the 2x2 optimum, its momentum clipped to the range, α re-solved
       d = np.stack([v, previous], 1)
-      coefficients = np.linalg.solve(d.T @ curvature_matrix @ d, -d.T @ g)
+      m, b = d.T @ curvature_matrix @ d, d.T @ g
+      mu = np.clip(np.linalg.solve(m, -b)[1], *adaptive.MOMENTUM_RANGE)
+      coefficients = np.array([-(b[0] + m[0, 1] * mu) / m[0, 0], mu])
     expected = coefficients[0] * v + coefficients[1] * previous
     change = g @ expected + 0.5 * expected @ curvature_matrix @ expected
     stats = kfac_optax.stats(state)
@@ -196,7 +198,7 @@ def test_qmodel_coefficients_minimise_the_explicit_quadratic_model():
 
 def test_fixed_momentum_with_qmodel_learning_rate():
   tx = kfac_optax.kfac(bf.TinyMLP().apply, LOSS, learning_rate=None, momentum=0.5,
-                       **SETTINGS)
+                       adaptive_damping=False, **SETTINGS)
   updates, states = run(tx, BATCHES[:2])
   fisher, _ = explicit_fisher(PARAMS, BATCHES[1])
   g = flat64(grads_at(PARAMS, BATCHES[1]))
@@ -221,28 +223,99 @@ def test_levenberg_marquardt_rule(rho, factor):
       jnp.float32(9.9), jnp.float32(rho), 0.9, 2, 1e-3, 10.0)) <= 10.0
 
 
-@pytest.mark.parametrize("lr, direction", [(1e-4, "down"), (300.0, "up")])
-def test_adaptive_damping_moves_with_the_reduction_ratio(lr, direction):
-  # A tiny step: the loss changes as the quadratic model predicts (ρ ≈ 1,
-  # damping falls). A huge step overshoots (ρ ≈ 0, damping rises).
-  initial = 0.1
-  tx = kfac_optax.kfac(bf.TinyMLP().apply, LOSS, learning_rate=lr, momentum=0.0,
-                       adaptive_damping=True, damping_adaptation_interval=2,
-                       damping_adaptation_decay=0.9,
-                       **{**SETTINGS, "damping": initial})
-  _, states = run(tx)
-  rho = float(kfac_optax.stats(states[0])["rho"])
+def adaptive_run(lr, batches=BATCHES):
+  """`run` of kfac with a fixed lr, λ adapted every 2 steps (ω = 0.9²) from 0.1."""
+  return run(kfac_optax.kfac(bf.TinyMLP().apply, LOSS, learning_rate=lr, momentum=0.0,
+                             adaptive_damping=True, damping_adaptation_interval=2,
+                             damping_adaptation_decay=0.9,
+                             **{**SETTINGS, "damping": 0.1}), batches)
+
+
+def test_adaptive_damping_falls_when_the_model_is_accurate():
+  # A tiny step: the loss changes as the quadratic model predicts (ρ ≈ 1).
+  _, states = adaptive_run(1e-4)
   omega = 0.9**2
-  if direction == "down":
-    assert rho == pytest.approx(1.0, abs=0.05)
-    expected = initial * omega
-  else:
-    assert rho < 0.25
-    expected = initial / omega
-  # Adapted on step 0, then kept on step 1 (interval 2), adapted again on step 2.
-  assert float(states[0].damping) == pytest.approx(expected, rel=1e-5)
-  assert float(states[1].damping) == pytest.approx(expected, rel=1e-5)
-  assert float(states[1].rho) == pytest.approx(rho, rel=1e-6)
+  assert float(states[0].rho) == pytest.approx(1.0, abs=0.05)
+  # Adapted on step 0, then kept on step 1 (interval 2), adapted on step 2.
+  assert float(states[0].damping) == pytest.approx(0.1 * omega, rel=1e-5)
+  assert float(states[1].damping) == pytest.approx(0.1 * omega, rel=1e-5)
+  assert float(states[1].rho) == pytest.approx(float(states[0].rho), rel=1e-6)
+  assert float(states[2].damping) == pytest.approx(0.1 * omega**2, rel=1e-5)
+
+
+def test_a_failed_step_is_rejected_and_measured_again_until_one_succeeds():
+  # lr 5 overshoots on the tiny MLP. Step 0 raises the loss (ρ < 0); steps
+  # 1 and 2, at the same params with λ raised, are still predicted to raise
+  # it (ρ nan); step 3 succeeds. Each failure is rejected and measured again
+  # on the next step although the interval is 2; λ rises by 1/ω each time.
+  updates, states = adaptive_run(5.0, batches=BATCHES + BATCHES[:1])
+  rhos = [float(s.rho) for s in states]
+  assert rhos[0] < 0 and np.isnan(rhos[1]) and np.isnan(rhos[2]), rhos
+  assert 0.25 <= rhos[3] <= 0.75, rhos  # measured off-interval, λ kept
+  omega = 0.9**2
+  for step, exponent in enumerate((1, 2, 3, 3)):
+    assert float(states[step].damping) == pytest.approx(0.1 / omega**exponent, rel=1e-5)
+  for update, state in zip(updates[:3], states[:3]):
+    assert not np.any(flat64(update)) and not np.any(flat64(state.previous_update))
+  assert np.any(flat64(updates[3]))
+
+
+# --------------------------------------------------------------------------
+# The quadratic model's safeguards.
+
+
+def brute_force_coefficients(m, b, learning_rate, momentum):
+  """argmin of q(c) = bᵀc + ½ cᵀMc over a fine grid of the free μ in the
+  momentum range (α exact given μ), or the fixed coefficients."""
+  mus = (np.linspace(*adaptive.MOMENTUM_RANGE, 100_001) if momentum is None
+         else np.array([momentum]))
+  alphas = (-(b[0] + m[0, 1] * mus) / m[0, 0] if learning_rate is None
+            else np.full_like(mus, -learning_rate))
+  c = np.stack([alphas, mus])
+  q = b @ c + 0.5 * np.einsum("in,ij,jn->n", c, m, c)
+  best = np.argmin(q)
+  return c[:, best], q[best]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("learning_rate, momentum", [(None, None), (0.3, None),
+                                                      (None, 0.5)])
+def test_quadratic_coefficients_minimise_over_the_momentum_range(seed, learning_rate,
+                                                                   momentum):
+  rng = np.random.default_rng(seed)
+  d = rng.normal(size=(2, 2))
+  m, b = d @ d.T + 0.1 * np.eye(2), rng.normal(size=2)
+  b[0] = -abs(b[0])  # vᵀ∇h < 0 along v = -F̂⁻¹g: a descent direction
+  alpha, mu, change = adaptive.quadratic_coefficients(
+      jnp.asarray(m, jnp.float32), jnp.asarray(b, jnp.float32), learning_rate,
+      momentum, jnp.bool_(True))
+  expected, q = brute_force_coefficients(m, b, learning_rate, momentum)
+  if learning_rate is None and q >= 0:  # not predicted to decrease: not taken
+    expected, q = np.zeros(2), 0.0
+  np.testing.assert_allclose([alpha, mu], expected, atol=1e-4 * (1 + np.abs(expected).max()))
+  assert float(change) == pytest.approx(q, abs=1e-5 * (1 + abs(q)))
+  assert adaptive.MOMENTUM_RANGE[0] <= float(mu) <= adaptive.MOMENTUM_RANGE[1]
+
+
+def test_nearly_parallel_directions_fall_back_to_the_learning_rate_alone():
+  # v and p at an angle of 1e-3 under M: det M / (m00 m11) ≈ 1e-6, far below
+  # MIN_INDEPENDENCE. The 2x2 solve would give huge opposite coefficients.
+  angle = 1e-3
+  directions = np.array([[1.0, 0.0], [np.cos(angle), np.sin(angle)]])
+  m = directions @ directions.T
+  b = directions @ np.array([-1.0, 0.3])
+  alpha, mu, change = adaptive.quadratic_coefficients(
+      jnp.asarray(m, jnp.float32), jnp.asarray(b, jnp.float32), None, None, jnp.bool_(True))
+  assert float(mu) == 0.0
+  assert float(alpha) == pytest.approx(-b[0] / m[0, 0], rel=1e-5)
+  assert float(change) == pytest.approx(-0.5 * b[0]**2 / m[0, 0], rel=1e-4)
+
+
+def test_a_non_finite_quadratic_model_takes_no_step():
+  m = jnp.array([[jnp.nan, 0.0], [0.0, 1.0]])
+  alpha, mu, change = adaptive.quadratic_coefficients(
+      m, jnp.array([-1.0, 0.0]), None, None, jnp.bool_(True))
+  assert (float(alpha), float(mu), float(change)) == (0.0, 0.0, 0.0)
 
 
 # --------------------------------------------------------------------------
