@@ -6,6 +6,8 @@ forwarded keyword (batch, rng, variables), a wrong step count or a dropped
 hyperparameter shows up as a numerical mismatch.
 """
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -288,6 +290,80 @@ def test_train_state_overwrite_with_gradient():
                         old[OVERWRITE_WITH_GRADIENT])
     assert_trees_close(state.params["params"], manual, rtol=1e-6)
     assert trees_differ(state.params["params"], old["params"], rtol=1e-4)
+
+
+class BatchNormMLP(nn.Module):
+  """Dense -> BatchNorm (batch statistics) -> tanh -> Dense."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.BatchNorm(use_running_average=False, momentum=0.5, name="bn")(
+        nn.Dense(4, name="hidden")(x))
+    return nn.Dense(3, name="out")(jnp.tanh(h))
+
+
+class BatchStatsState(kfac_optax.TrainState):
+  batch_stats: Any = None
+
+
+def test_train_state_forwards_variables_of_a_batch_norm_model():
+  model = BatchNormMLP()
+  variables = model.init(jax.random.key(8), BATCH[0])
+  tx = kfac_optax.kfac(model.apply, LOSS, example_batch=BATCH,
+                       learning_rate=0.1, **SETTINGS)
+  state = BatchStatsState.create(apply_fn=model.apply, params=variables["params"],
+                                 tx=tx, batch_stats=variables["batch_stats"])
+  assert set(state.opt_state[0].factors) == {"hidden", "bn", "out"}
+
+  @jax.jit
+  def step(state, batch, rng):
+    def loss_fn(params):  # the user's step owns batch_stats
+      logits, new = model.apply(
+          {"params": params, "batch_stats": state.batch_stats}, batch[0],
+          mutable=["batch_stats"])
+      return LOSS.value(logits, batch), new["batch_stats"]
+    (value, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.params)
+    others = {"batch_stats": state.batch_stats}
+    new_state = state.apply_gradients(grads=grads, batch=batch, rng=rng,
+                                      variables=others, batch_stats=new_stats)
+    updates, _ = tx.update(grads, state.opt_state, state.params, batch=batch,
+                           rng=rng, variables=others)
+    return new_state, value, new_stats, optax.apply_updates(state.params, updates)
+
+  values = []
+  for t, rng in enumerate(jax.random.split(jax.random.key(9), 4)):
+    state, value, new_stats, manual = step(state, BATCH, rng)
+    values.append(float(value))
+    assert int(state.step) == t + 1
+    assert_trees_close(state.params, manual, rtol=0)
+    assert_trees_close(state.batch_stats, new_stats, rtol=0)  # field replaced
+  assert np.all(np.isfinite(values)) and values[-1] < 0.8 * values[0]
+
+
+def scale_by_keyword():
+  """Multiplies the updates by the ``scale`` keyword of ``update``."""
+  def update_fn(updates, state, params=None, *, scale=1.0, **extra_args):
+    del params, extra_args
+    return jax.tree.map(lambda u: scale * u, updates), state
+  return optax.GradientTransformationExtraArgs(
+      lambda params: optax.EmptyState(), update_fn)
+
+
+def test_train_state_forwards_keywords_that_are_not_fields():
+  tx = optax.chain(kfac(estimation="empirical", learning_rate=0.1),
+                   scale_by_keyword())
+  state = kfac_optax.TrainState.create(apply_fn=APPLY, params=PARAMS, tx=tx)
+
+  @jax.jit
+  def step(state, scale):
+    grads = grad_fn(state.params, BATCH)
+    return state.apply_gradients(grads=grads, batch=BATCH, scale=scale)
+
+  frozen, moved = step(state, 0.0), step(state, 1.0)
+  assert_trees_close(frozen.params, PARAMS, rtol=0)
+  assert trees_differ(moved.params, PARAMS, rtol=1e-4)
+  assert int(frozen.step) == int(moved.step) == 1
 
 
 # 7. Errors.
