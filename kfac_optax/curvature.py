@@ -112,6 +112,25 @@ def _stack_shape(inside: tuple, outside: tuple, layer_params: dict) -> tuple:
   return extra if shared else ()
 
 
+def _check_real_floating(flat_params: dict[Path, Any]) -> None:
+  """Rejects integer, bool and complex params: K-FAC's Fisher is over reals.
+
+  An integer leaf has no gradient and a complex one would need Hermitian
+  statistics; either would otherwise get a silently wrong (or zero) update.
+  """
+  wrong = [f"{_key(path)} ({jnp.result_type(leaf)})"
+           for path, leaf in flat_params.items()
+           if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating)]
+  if wrong:
+    raise TypeError(
+        "kfac_optax trains real floating-point params only; these params "
+        f"leaves are not: {', '.join(wrong)}.\nFix: keep integer arrays out "
+        "of the 'params' collection (e.g. self.variable('constants', ...)) "
+        "and pass that collection as update(..., variables=...) or "
+        "TrainState.apply_gradients(..., variables=...); write a complex "
+        "weight as two real params (its real and imaginary parts).")
+
+
 def _all_finite(tree: Any) -> jax.Array:
   return jnp.all(jnp.array(
       [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]))
@@ -227,6 +246,7 @@ class Curvature:
           "keywords go in apply_kwargs=, and other variable collections "
           "(e.g. batch_stats) in update(..., variables=...).") from error
     flat_params, _ = flatten(params)
+    _check_real_floating(flat_params)
     perturbations = capture.by_layer(discovered.perturbations)
     layers, owned = {}, set()
     for path, layout in discovered.layouts.items():
