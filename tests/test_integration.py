@@ -402,6 +402,42 @@ def test_whole_variables_dict_as_params_raises():
     jax.jit(lambda g, s: tx.update(g, s, whole, batch=BATCH))(whole, state)
 
 
+class WithOddParams(nn.Module):
+  """TinyMLP plus a complex Dense and an integer param."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = jnp.real(nn.Dense(5, param_dtype=jnp.complex64, name="complex")(x))
+    counter = self.param("counter", lambda key: jnp.zeros((3,), jnp.int32))
+    return bf.TinyMLP(name="mlp")(x) + counter
+
+
+def test_integer_and_complex_params_raise_at_init():
+  model = WithOddParams()
+  params = model.init(jax.random.key(0), BATCH[0])["params"]
+  tx = kfac_optax.scale_by_kfac(model.apply, LOSS, example_batch=BATCH)
+  with pytest.raises(TypeError) as error:
+    tx.init(params)
+  assert str(error.value) == (
+      "kfac_optax trains real floating-point params only; these params leaves "
+      "are not: complex/bias (complex64), complex/kernel (complex64), counter "
+      "(int32).\nFix: keep integer arrays out of the 'params' collection "
+      "(e.g. self.variable('constants', ...)) and pass that collection as "
+      "update(..., variables=...) or TrainState.apply_gradients(..., "
+      "variables=...); write a complex weight as two real params (its real "
+      "and imaginary parts).")
+
+
+def test_empirical_targets_of_the_wrong_shape_name_the_fix():
+  wrong = (BATCH[0], BATCH[1][:, None])  # labels (N, 1) for logits (N, 3)
+  tx = scale_by_kfac(estimation="empirical")
+  with pytest.raises(ValueError, match=(
+      r"^softmax_cross_entropy: targets\(batch\) has shape \(6, 1\) \(int32\) "
+      r"for outputs of shape \(6, 3\); targets= must return integer class "
+      r"labels \(not one-hot\) of shape outputs.shape\[:-1\], here \(6,\)")):
+    jax.jit(lambda g, s: tx.update(g, s, PARAMS, batch=wrong))(PARAMS, tx.init(PARAMS))
+
+
 def test_dict_batch_needs_inputs():
   batch = {"x": BATCH[0], "y": BATCH[1]}
   tx = kfac_optax.scale_by_kfac(APPLY, LOSS, example_batch=batch)
