@@ -366,6 +366,37 @@ def test_train_state_forwards_keywords_that_are_not_fields():
   assert int(frozen.step) == int(moved.step) == 1
 
 
+def test_apply_if_finite_skips_a_nan_batch_and_training_goes_on():
+  # The README's recipe: apply_if_finite forwards batch= and rng= to kfac.
+  tx = optax.apply_if_finite(kfac(estimation="fisher", learning_rate=0.05),
+                             max_consecutive_errors=3)
+  state = kfac_optax.TrainState.create(apply_fn=APPLY, params=PARAMS, tx=tx)
+
+  @jax.jit
+  def step(state, batch, rng):
+    value, grads = jax.value_and_grad(loss_value)(state.params, batch)
+    return state.apply_gradients(grads=grads, batch=batch, rng=rng), value
+
+  nan_batch = (BATCH[0].at[0, 0].set(jnp.nan), BATCH[1])
+  initial = float(loss_jit(PARAMS, BATCH))
+  rngs = jax.random.split(jax.random.key(5), 6)
+  state, _ = step(state, BATCH, rngs[0])
+  before = state
+  state, value = step(state, nan_batch, rngs[1])
+  assert not np.isfinite(value)
+  assert int(state.opt_state.notfinite_count) == 1
+  assert_trees_close(state.params, before.params, rtol=0)  # step skipped
+  assert_trees_close(state.opt_state.inner_state, before.opt_state.inner_state,
+                     rtol=0)  # K-FAC's statistics untouched
+  for rng in rngs[2:]:
+    state, value = step(state, BATCH, rng)
+    assert np.isfinite(value)
+  assert int(state.opt_state.notfinite_count) == 0
+  assert int(state.opt_state.total_notfinite) == 1
+  final = float(loss_jit(state.params, BATCH))
+  assert np.isfinite(final) and final < 0.8 * initial
+
+
 # 7. Errors.
 def test_update_without_batch_raises():
   tx = scale_by_kfac(estimation="empirical")
