@@ -93,8 +93,15 @@ def scale_by_kfac(
 ) -> optax.GradientTransformationExtraArgs:
   """Preconditions gradients with K-FAC's damped Kronecker-factored Fisher.
 
-  Every ``nn.Dense`` call in the model gets a Kronecker block ``A ⊗ G``;
-  every other parameter a diagonal block. With ``V = [∇W; ∇b]``:
+  Each captured layer gets its own block (`layers`; the README's "Layers"
+  table): ``nn.Dense``, ``nn.DenseGeneral`` and ``nn.Conv`` (over im2col
+  patches) a Kronecker block ``A ⊗ G``; ``nn.Embed`` (a tied ``attend`` use
+  merged in) a Kronecker block with ``A`` diagonal; ``nn.LayerNorm``,
+  ``nn.RMSNorm``, ``nn.GroupNorm`` and ``nn.BatchNorm`` an exact diagonal
+  block for scale and bias; modules given to `register_layer` the block of
+  their kind. Parameters of no such layer (and layers overridden with
+  ``"diagonal"``) share the diagonal fallback ``∇ / (F + λ)``. For a
+  Kronecker block, with ``V = [∇W; ∇b]``:
 
   .. math::
     A = \\mathbb{E}[\\bar a \\bar a^T],\\quad
