@@ -99,7 +99,7 @@ FIT_OUTPUTS = ("targets of the outputs' shape (one output unit still has its "
     (losses.squared_error, jnp.ones((3, 4)),
      "squared_error: targets(batch) has shape (3, 4) (float32) for "
      f"outputs of shape (2, 3, 4); targets= must return {FIT_OUTPUTS}"),
-])
+], ids=["one-hot", "float-labels", "sigmoid", "squared-error"])
 @pytest.mark.parametrize("use", ["value", "empirical"])
 def test_targets_that_do_not_fit_the_outputs_raise(make, targets, message, use):
   loss = make(targets=lambda batch: batch["y"])
