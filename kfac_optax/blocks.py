@@ -37,8 +37,8 @@ class KroneckerFactors(NamedTuple):
 
 
 def _gram(rows: jax.Array, weights: jax.Array | None = None) -> jax.Array:
-  """``(S, R, d) -> (S, d, d)``: Σ_rows w r rᵀ per stack slice, float32."""
-  rows = rows.astype(jnp.float32)
+  """``(S, R, d) -> (S, d, d)``: Σ_rows w r rᵀ per stack slice, float32 (or 64)."""
+  rows = linalg.at_least_float32(rows)
   weighted = rows if weights is None else rows * weights[:, None]
   return jnp.einsum("sri,srj->sij", weighted, rows, precision=_HIGHEST)
 
@@ -149,7 +149,8 @@ class KroneckerBlock:
       return total + _gram(self._rows(xs), ws), None
     size = self.layout.in_dim + self.has_bias
     total, _ = jax.lax.scan(
-        add_chunk, jnp.zeros((self.layout.num_stacks, size, size)),
+        add_chunk, jnp.zeros((self.layout.num_stacks, size, size),
+                             linalg.at_least_float32(x).dtype),
         (x.reshape(num_chunks, chunk, *x.shape[1:]),
          weights.reshape(num_chunks, chunk * rows_per_example)))
     return total, jnp.sum(weights)
@@ -165,18 +166,17 @@ class KroneckerBlock:
                             linalg.Damped(factors.g, damping_g))
 
   def precondition(self, inverses: KroneckerFactors, grads: dict) -> dict:
-    """Maps ``{"kernel": ∇W[, "bias": ∇b]}`` to its preconditioned leaves."""
-    layout = self.layout
-    stacked = layout.kernel_matrix(grads["kernel"].astype(jnp.float32))
+    """Maps ``{"kernel": ∇W[, "bias": ∇b]}`` to its preconditioned leaves,
+    in the inverses' dtype."""
+    layout, dtype = self.layout, inverses.a.dtype
+    stacked = layout.kernel_matrix(grads["kernel"].astype(dtype))
     if self.has_bias:
-      bias = layout.bias_matrix(grads["bias"].astype(jnp.float32))
+      bias = layout.bias_matrix(grads["bias"].astype(dtype))
       stacked = jnp.concatenate([stacked, bias[:, None]], 1)
     result = inverses.a @ stacked @ inverses.g
-    out = {"kernel": layout.kernel_from_matrix(result[:, :layout.in_dim])
-                     .astype(grads["kernel"].dtype)}
+    out = {"kernel": layout.kernel_from_matrix(result[:, :layout.in_dim])}
     if self.has_bias:
-      out["bias"] = layout.bias_from_matrix(result[:, layout.in_dim]).astype(
-          grads["bias"].dtype)
+      out["bias"] = layout.bias_from_matrix(result[:, layout.in_dim])
     return out
 
 
@@ -240,7 +240,7 @@ class EmbeddingBlock:
     projection = KroneckerBlock(layouts.dense(self.layout.features, self.layout.vocab),
                                 has_bias=False)
     logits_diagonal = sum(
-        jnp.sum(jnp.square(g.astype(jnp.float32))
+        jnp.sum(jnp.square(linalg.at_least_float32(g))
                 * _mask_like(terms, g.shape[1:])[None], tuple(range(g.ndim - 1)))
         for g in logit_grads) / terms.count
     return KroneckerFactors(
@@ -258,9 +258,8 @@ class EmbeddingBlock:
                             linalg.Damped(g[None], damping_g[None]))
 
   def precondition(self, inverses, grads) -> dict:
-    v = grads["embedding"]
-    u = inverses.a[0][:, None] * v.astype(jnp.float32) @ inverses.g[0]
-    return {"embedding": u.astype(v.dtype)}
+    v = grads["embedding"].astype(inverses.g.dtype)
+    return {"embedding": inverses.a[0][:, None] * v @ inverses.g[0]}
 
 
 def _mask_like(terms: losses.Terms, shape: tuple) -> jax.Array:
@@ -311,7 +310,7 @@ class DiagonalBlock:
 
   def statistics(self, param_grads: dict, terms: losses.Terms) -> dict:
     """``param_grads``: leaf -> ``(K, *leaf_shape)`` summed-NLL gradients."""
-    return {k: jnp.sum(jnp.square(param_grads[k].astype(jnp.float32)), 0) / terms.count
+    return {k: jnp.sum(jnp.square(linalg.at_least_float32(param_grads[k])), 0) / terms.count
             for k in self.names}
 
   def damped(self, fisher: dict, damping: jax.Array) -> dict:
@@ -319,7 +318,7 @@ class DiagonalBlock:
     return {k: linalg.DampedDiagonal(fisher[k], damping) for k in self.names}
 
   def precondition(self, inverses: dict, grads: dict) -> dict:
-    return {k: (grads[k] * inverses[k]).astype(grads[k].dtype) for k in self.names}
+    return {k: grads[k].astype(inverses[k].dtype) * inverses[k] for k in self.names}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,8 +347,8 @@ class NormBlock(DiagonalBlock):
       mask = terms.mask_for(x_hat.shape)
       if mask is not None:  # masked positions add nothing
         g = g * mask
-      x_hat = self.layout.per_example(x_hat.astype(jnp.float32))  # (N, P, F)
-      g = jax.vmap(self.layout.per_example)(g.astype(jnp.float32))  # (K, N, P, F)
+      x_hat = self.layout.per_example(linalg.at_least_float32(x_hat))  # (N, P, F)
+      g = jax.vmap(self.layout.per_example)(linalg.at_least_float32(g))  # (K, N, P, F)
       per_example = {"scale": jnp.einsum("knpf,npf->knf", g, x_hat),
                      "bias": jnp.sum(g, 2)}
       for name in self.names:

@@ -26,6 +26,7 @@ import optax
 
 from kfac_optax import blocks
 from kfac_optax import capture
+from kfac_optax import checks
 from kfac_optax import linalg
 from kfac_optax import losses
 from kfac_optax import sharding
@@ -45,14 +46,29 @@ class ScaleByKFACState(NamedTuple):
       `blocks.KroneckerFactors` ``(A, G)`` for a layer (key: its module path
       joined by "/"), ``{leaf path: F}`` for the diagonal fallback (key
       ``"<diagonal>"``).
-    inverses: block key -> damped inverses from the last refresh, same layout.
-    damping: the damping λ of the last update.
+    inverses: block key -> damped inverses from the last accepted refresh,
+      same layout (identities before the first).
+    damping: the damping λ of the inverses in use (nan before the first
+      accepted refresh).
+    rejected_statistics: statistics updates whose batch statistics were not
+      finite, so the factors kept their previous values.
+    rejected_refreshes: inverse refreshes that kept every previous inverse,
+      because the damping was not a positive finite number or some block's
+      damped inverse was not finite.
+    rescaled_updates: updates scaled down to fit the parameter dtype
+      (see `Curvature.precondition`).
+
+  Factors, inverses and damping are float64 when the params are float64
+  (or any of them is), else float32.
   """
   count: jax.Array
   stats_count: jax.Array
   factors: dict[str, Any]
   inverses: dict[str, Any]
   damping: jax.Array
+  rejected_statistics: jax.Array
+  rejected_refreshes: jax.Array
+  rescaled_updates: jax.Array
 
 
 class _Plan(NamedTuple):
@@ -110,6 +126,25 @@ def _stack_shape(inside: tuple, outside: tuple, layer_params: dict) -> tuple:
   extra = outside[:len(outside) - len(inside)]
   shared = all(jnp.shape(p)[:len(extra)] == extra for p in layer_params.values())
   return extra if shared else ()
+
+
+def _check_real_floating(flat_params: dict[Path, Any]) -> None:
+  """Rejects integer, bool and complex params: K-FAC's Fisher is over reals.
+
+  An integer leaf has no gradient and a complex one would need Hermitian
+  statistics; either would otherwise get a silently wrong (or zero) update.
+  """
+  wrong = [f"{_key(path)} ({jnp.result_type(leaf)})"
+           for path, leaf in flat_params.items()
+           if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating)]
+  if wrong:
+    raise TypeError(
+        "kfac_optax trains real floating-point params only; these params "
+        f"leaves are not: {', '.join(wrong)}.\nFix: keep integer arrays out "
+        "of the 'params' collection (e.g. self.variable('constants', ...)) "
+        "and pass that collection as update(..., variables=...) or "
+        "TrainState.apply_gradients(..., variables=...); write a complex "
+        "weight as two real params (its real and imaginary parts).")
 
 
 def _all_finite(tree: Any) -> jax.Array:
@@ -171,6 +206,9 @@ class Curvature:
     if self.inverse not in linalg.INVERSE_METHODS:
       raise ValueError(f"inverse must be one of {linalg.INVERSE_METHODS}, "
                        f"got {self.inverse!r}")
+    checks.in_range("ema_decay", self.ema_decay, 0.0, 1.0, high_open=True)
+    checks.count("inverse_update_period", self.inverse_update_period, 1)
+    checks.count("stats_update_period", self.stats_update_period, 1)
     if not isinstance(self.num_samples, int) or self.num_samples < 1:
       raise ValueError(
           f"num_samples must be a positive Python int, got {self.num_samples!r}; "
@@ -227,6 +265,7 @@ class Curvature:
           "keywords go in apply_kwargs=, and other variable collections "
           "(e.g. batch_stats) in update(..., variables=...).") from error
     flat_params, _ = flatten(params)
+    _check_real_floating(flat_params)
     perturbations = capture.by_layer(discovered.perturbations)
     layers, owned = {}, set()
     for path, layout in discovered.layouts.items():
@@ -260,11 +299,14 @@ class Curvature:
   def init(self, params: Any) -> ScaleByKFACState:
     """Zero statistics and identity inverses for every block of the model."""
     factors, inverses = {}, {}
+    dtype = linalg.curvature_dtype(params)
     for key, block in self._example_plan(params).all_blocks().items():
-      factors[key], inverses[key] = block.init()
+      factors[key], inverses[key] = jax.tree.map(lambda x: x.astype(dtype),
+                                                 block.init())
     # Distinct buffers: a state passed with donate_argnums must not alias.
-    return ScaleByKFACState(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32),
-                            factors, inverses, jnp.zeros([], jnp.float32))
+    counters = [jnp.zeros([], jnp.int32) for _ in range(5)]
+    return ScaleByKFACState(*counters[:2], factors, inverses,
+                            jnp.full([], jnp.nan, dtype), *counters[2:])
 
   def _batch_statistics(self, plan, params, batch, variables, rng):
     flat_params, treedef = flatten(params)
@@ -299,14 +341,16 @@ class Curvature:
       stats[FALLBACK] = plan.fallback.statistics(captured.primal_grads, terms)
     return stats
 
-  def _fold_in(self, factors, stats_count, batch_stats):
+  def _fold_in(self, factors, stats_count, rejected, batch_stats):
     """Debiased EMA: D_t = D_{t-1} + (1-ρ)/(1-ρ^t) (B_t - D_{t-1})."""
     new_count = stats_count + 1
     weight = (1.0 - self.ema_decay) / (1.0 - jnp.power(self.ema_decay, new_count))
     new = jax.tree.map(lambda old, b: old + weight * (b - old), factors, batch_stats)
     finite = _all_finite(batch_stats)  # non-finite statistics never enter
-    return (jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, factors),
-            jnp.where(finite, new_count, stats_count))
+    return (jax.tree.map(lambda n, o: jnp.where(finite, n, o).astype(o.dtype),
+                         new, factors),
+            jnp.where(finite, new_count, stats_count),
+            rejected + jnp.where(finite, 0, 1))
 
   def _powers(self, plan, factors, damping, power, method):
     """Every block's damped factors raised to ``power`` (batched over blocks)."""
@@ -315,13 +359,19 @@ class Curvature:
          for key, block in plan.all_blocks().items()},
         method, sharding.stack_sharding(self.mesh), power=power)
 
-  def _refresh_inverses(self, plan, factors, old_inverses, damping):
+  def _refresh_inverses(self, plan, factors, old, damping):
+    """New inverses, or all the old ones if the damping or any block failed.
+
+    All or nothing, so that every inverse in use has the one damping that
+    the state reports. A damping ≤ 0 (e.g. injected at run time) is
+    rejected even where its inverse happens to be finite.
+    """
+    inverses, old_damping, rejected = old
     fresh = self._powers(plan, factors, damping, -1, self.inverse)
-    for key, new in fresh.items():
-      ok = _all_finite(new)  # a failed factorisation keeps the last inverse
-      fresh[key] = jax.tree.map(lambda n, o, ok=ok: jnp.where(ok, n, o),
-                                new, old_inverses[key])
-    return fresh
+    ok = (damping > 0) & jnp.isfinite(damping) & _all_finite(fresh)
+    keep = lambda n, o: jnp.where(ok, n, o).astype(o.dtype)
+    return (jax.tree.map(keep, fresh, inverses), keep(damping, old_damping),
+            rejected + jnp.where(ok, 0, 1))
 
   def update(self, state: ScaleByKFACState, params: Any, *, batch: Any,
              rng: jax.Array | None = None, variables: dict | None = None,
@@ -334,25 +384,28 @@ class Curvature:
       batch: the training batch.
       rng: a key (needed for ``estimation="fisher"``/``"curvature_prop"``).
       variables: other collections the model needs (e.g. batch_stats).
-      damping: λ for the inverses refreshed now.
+      damping: λ for the inverses refreshed now; a refresh with a λ that
+        is not a positive finite number is rejected (counted in the state).
     """
     variables = dict(variables or {})
     plan = self._plan(params, batch, variables, list(variables), "batch")
-    damping = jnp.asarray(damping, jnp.float32)
+    damping = jnp.asarray(damping, state.damping.dtype)
 
     def with_new_statistics(carry):
-      factors, stats_count = carry
-      return self._fold_in(factors, stats_count, self._batch_statistics(
+      return self._fold_in(*carry, self._batch_statistics(
           plan, params, batch, variables, rng))
-    factors, stats_count = on_schedule(
+    factors, stats_count, rejected_statistics = on_schedule(
         self.stats_update_period, state.count, with_new_statistics,
-        (state.factors, state.stats_count))
-    inverses = on_schedule(
+        (state.factors, state.stats_count, state.rejected_statistics))
+    inverses, damping, rejected_refreshes = on_schedule(
         self.inverse_update_period, state.count,
         lambda old: self._refresh_inverses(plan, factors, old, damping),
-        state.inverses)
-    return ScaleByKFACState(optax.safe_increment(state.count), stats_count,
-                            factors, inverses, damping)
+        (state.inverses, state.damping, state.rejected_refreshes))
+    return state._replace(
+        count=optax.safe_increment(state.count), stats_count=stats_count,
+        factors=factors, inverses=inverses, damping=damping,
+        rejected_statistics=rejected_statistics,
+        rejected_refreshes=rejected_refreshes)
 
   # -- products -------------------------------------------------------------
 
@@ -371,8 +424,33 @@ class Curvature:
     return _rebuild(treedef, out)
 
   def precondition(self, state: ScaleByKFACState, vector: Any) -> Any:
-    """``F̂⁻¹ v`` with the stored damped inverses (``vector``: params-shaped)."""
-    return self._apply(self._example_plan(vector), state.inverses, vector)
+    """``F̂⁻¹ v`` with the stored damped inverses (``vector``: params-shaped).
+
+    Computed in the state's dtype (float32, or float64), then scaled down
+    if needed to fit each leaf's dtype; see `precondition_and_count`.
+    """
+    return self.precondition_and_count(state, vector)[0]
+
+  def precondition_and_count(self, state: ScaleByKFACState,
+                             vector: Any) -> tuple[Any, ScaleByKFACState]:
+    """`precondition`, and the state with ``rescaled_updates`` counted.
+
+    Where the product's largest entry exceeds 1/16 of the largest finite
+    value of its leaf's dtype (float16 with tiny damping), the whole product
+    is multiplied by one factor that brings it there. One common positive
+    factor keeps K-FAC's direction, with the layers' relative step sizes,
+    which rescaling or dropping one block would not; the headroom leaves
+    room for a learning rate, momentum and the parameters it is added to.
+    """
+    product = self._apply(self._example_plan(vector), state.inverses, vector)
+    scale = 1.0
+    for u, v in zip(jax.tree.leaves(product), jax.tree.leaves(vector)):
+      if jnp.issubdtype(v.dtype, jnp.floating):
+        limit = float(jnp.finfo(v.dtype).max) / 16
+        scale = jnp.minimum(scale, limit / jnp.maximum(jnp.max(jnp.abs(u)), limit))
+    fitted = jax.tree.map(lambda u, v: (u * scale).astype(v.dtype), product, vector)
+    return fitted, state._replace(
+        rescaled_updates=state.rescaled_updates + jnp.where(scale < 1, 1, 0))
 
   def multiply(self, state: ScaleByKFACState, vector: Any, *, power: float,
                damping: Any = 0.0) -> Any:
@@ -390,9 +468,10 @@ class Curvature:
       damping: λ, zero by default.
     """
     plan = self._example_plan(vector)
-    powered = self._powers(plan, state.factors, jnp.asarray(damping, jnp.float32),
-                           power, "eigh")
-    return self._apply(plan, powered, vector)
+    powered = self._powers(plan, state.factors,
+                           jnp.asarray(damping, state.damping.dtype), power, "eigh")
+    return jax.tree.map(lambda u, v: u.astype(v.dtype),
+                        self._apply(plan, powered, vector), vector)
 
   def output_tangents(self, params: Any, batch: Any, vectors: Any,
                       variables: dict | None = None, rng: jax.Array | None = None):

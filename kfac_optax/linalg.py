@@ -14,6 +14,19 @@ import jax.numpy as jnp
 INVERSE_METHODS = ("eigh", "cholesky")
 
 
+def curvature_dtype(params: Any) -> jnp.dtype:
+  """The dtype of statistics and inverses: float64 if any param leaf is
+  float64 (under ``jax_enable_x64``), else float32 (also for float16 and
+  bfloat16 params, whose range and precision do not suffice)."""
+  wide = any(jnp.dtype(leaf.dtype) == jnp.float64 for leaf in jax.tree.leaves(params))
+  return jnp.dtype(jnp.float64 if wide else jnp.float32)
+
+
+def at_least_float32(x: jax.Array) -> jax.Array:
+  """``x`` in float32, or unchanged if it is float64."""
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
 def pi_adjusted_damping(
     mean_a: jax.Array, mean_g: jax.Array, damping: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
@@ -50,7 +63,7 @@ def damped_inverse(matrix: jax.Array, damping: jax.Array, method: str) -> jax.Ar
   """``(M + damping·I)⁻¹`` for a symmetric positive semi-definite ``M``.
 
   Args:
-    matrix: symmetric PSD matrix (float32).
+    matrix: symmetric PSD matrix (float32 or float64).
     damping: positive scalar added to the diagonal.
     method: ``"eigh"`` (eigenvalues clipped at 0 before damping, robust to
       round-off negativity) or ``"cholesky"`` (faster, needs ``M + dI`` to be
@@ -164,15 +177,15 @@ def invert_all(tree: Any, method: str, stack_sharding: Any = None,
                if buckets[leaf.matrix.shape[-1]] == bucket]
     matrices, dampings = [], []
     for i in members:
-      matrix = requests[i].matrix.astype(jnp.float32)
+      matrix = at_least_float32(requests[i].matrix)
       size = matrix.shape[-1]
       matrix = matrix.reshape(-1, size, size)
       if size < bucket:
         padded = jnp.pad(matrix, ((0, 0), (0, bucket - size), (0, bucket - size)))
-        matrix = padded + jnp.diag(jnp.arange(bucket) >= size).astype(jnp.float32)
+        matrix = padded + jnp.diag(jnp.arange(bucket) >= size).astype(matrix.dtype)
       matrices.append(matrix)
       dampings.append(jnp.broadcast_to(requests[i].damping, requests[i].matrix.shape[:-2])
-                      .reshape(-1).astype(jnp.float32))
+                      .reshape(-1).astype(matrix.dtype))
     stack, damping = jnp.concatenate(matrices), jnp.concatenate(dampings)
     count = len(stack)
     each = lambda m, d: damped_power(m, d, power, method)
@@ -180,8 +193,9 @@ def invert_all(tree: Any, method: str, stack_sharding: Any = None,
       inverted = _over_stack(each, stack, damping)
     else:
       extra = -count % stack_sharding.num_shards
-      stack = jnp.concatenate([stack, jnp.broadcast_to(jnp.eye(bucket), (extra, bucket, bucket))])
-      damping = jnp.concatenate([damping, jnp.ones((extra,), jnp.float32)])
+      stack = jnp.concatenate([stack, jnp.broadcast_to(
+          jnp.eye(bucket, dtype=stack.dtype), (extra, bucket, bucket))])
+      damping = jnp.concatenate([damping, jnp.ones((extra,), damping.dtype)])
       inverted = stack_sharding.map(
           lambda s, d, real: _over_stack(each, s, d, real), stack, damping,
           jnp.arange(count + extra) < count)

@@ -13,7 +13,7 @@ product ``F_out u`` (exact curvature-vector products).
 """
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,34 @@ class PredictiveLoss:
   targets: Callable[[Batch], jax.Array] = _second_element
   mask: Callable[[Batch], jax.Array] | None = None
 
+  # For messages: the factory's name, and what its targets must be.
+  NAME: ClassVar[str] = "loss"
+  TARGETS: ClassVar[str] = ("targets of the outputs' shape (one output unit "
+                            "still has its last axis: y[..., None])")
+  INTEGER_TARGETS: ClassVar[bool] = False
+
+  def target_shape(self, outputs_shape: tuple) -> tuple:
+    """The shape ``targets(batch)`` must have for outputs of ``outputs_shape``."""
+    return tuple(outputs_shape)
+
+  def batch_targets(self, outputs: jax.Array, batch: Batch) -> jax.Array:
+    """``targets(batch)``, checked against ``outputs`` at trace time.
+
+    Raises:
+      ValueError: naming the loss, both shapes and what ``targets=`` must
+        return, if the targets do not fit (instead of broadcasting silently).
+    """
+    targets = self.targets(batch)
+    expected = self.target_shape(jnp.shape(outputs))
+    integer = jnp.issubdtype(jnp.result_type(targets), jnp.integer)
+    if jnp.shape(targets) != expected or (self.INTEGER_TARGETS and not integer):
+      raise ValueError(
+          f"{self.NAME}: targets(batch) has shape {jnp.shape(targets)} "
+          f"({jnp.result_type(targets)}) for outputs of shape "
+          f"{jnp.shape(outputs)}; targets= must return {self.TARGETS}, here "
+          f"{expected}")
+    return targets
+
   def nll(self, outputs: jax.Array, targets: jax.Array) -> jax.Array:
     """Per-term negative log-likelihood, shape ``outputs.shape[:-1]``."""
     raise NotImplementedError
@@ -68,7 +96,7 @@ class PredictiveLoss:
 
   def value(self, outputs: jax.Array, batch: Batch) -> jax.Array:
     """The training loss: the mean NLL over the (unmasked) terms of the batch."""
-    nll = self.nll(outputs, self.targets(batch))
+    nll = self.nll(outputs, self.batch_targets(outputs, batch))
     if self.mask is None:
       return jnp.mean(nll)
     mask = self.mask(batch).astype(nll.dtype)
@@ -89,6 +117,13 @@ class Categorical(PredictiveLoss):
   the output Fisher is ``diag(p) - p pᵀ``; its square root has columns
   ``B_k = sqrt(p_k) (e_k - p)``.
   """
+
+  NAME = "softmax_cross_entropy"
+  TARGETS = "integer class labels (not one-hot) of shape outputs.shape[:-1]"
+  INTEGER_TARGETS = True
+
+  def target_shape(self, outputs_shape):
+    return tuple(outputs_shape[:-1])
 
   def nll(self, outputs, targets):
     return optax.softmax_cross_entropy_with_integer_labels(
@@ -116,6 +151,8 @@ class Bernoulli(PredictiveLoss):
   ``diag(σ(f)(1 - σ(f)))``.
   """
 
+  NAME = "sigmoid_cross_entropy"
+
   def nll(self, outputs, targets):
     return jnp.sum(optax.sigmoid_binary_cross_entropy(
         outputs.astype(jnp.float32), targets), axis=-1)
@@ -138,6 +175,8 @@ class Gaussian(PredictiveLoss):
 
   The output Fisher is the identity.
   """
+
+  NAME = "squared_error"
 
   def nll(self, outputs, targets):
     return 0.5 * jnp.sum(
@@ -238,7 +277,7 @@ def output_cotangents(
     return jax.grad(lambda f: jnp.sum(loss.nll(f, targets)))(outputs)
 
   if estimation == "empirical":
-    cotangents = summed_nll_grad(loss.targets(batch))[None]
+    cotangents = summed_nll_grad(loss.batch_targets(outputs, batch))[None]
   elif estimation == "fisher":
     keys = jax.random.split(rng, num_samples)
     samples = jax.vmap(loss.sample, in_axes=(0, None))(keys, outputs)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from kfac_optax import adaptive
+from kfac_optax import checks
 from kfac_optax import losses
 from kfac_optax.curvature import Curvature
 from kfac_optax.curvature import ScaleByKFACState
@@ -95,8 +96,15 @@ def scale_by_kfac(
 ) -> optax.GradientTransformationExtraArgs:
   """Preconditions gradients with K-FAC's damped Kronecker-factored Fisher.
 
-  Every ``nn.Dense`` call in the model gets a Kronecker block ``A ⊗ G``;
-  every other parameter a diagonal block. With ``V = [∇W; ∇b]``:
+  Each captured layer gets its own block (`layers`; the README's "Layers"
+  table): ``nn.Dense``, ``nn.DenseGeneral`` and ``nn.Conv`` (over im2col
+  patches) a Kronecker block ``A ⊗ G``; ``nn.Embed`` (a tied ``attend`` use
+  merged in) a Kronecker block with ``A`` diagonal; ``nn.LayerNorm``,
+  ``nn.RMSNorm``, ``nn.GroupNorm`` and ``nn.BatchNorm`` an exact diagonal
+  block for scale and bias; modules given to `register_layer` the block of
+  their kind. Parameters of no such layer (and layers overridden with
+  ``"diagonal"``) share the diagonal fallback ``∇ / (F + λ)``. For a
+  Kronecker block, with ``V = [∇W; ∇b]``:
 
   .. math::
     A = \\mathbb{E}[\\bar a \\bar a^T],\\quad
@@ -121,17 +129,23 @@ def scale_by_kfac(
       structure of a training batch; traced once in ``init`` to find layers.
     inputs: batch -> apply_fn's positional input (or tuple of them);
       default ``batch[0]`` for tuple/list batches.
-    damping: Tikhonov λ (``F + λI``), a float or a schedule of the count.
+    damping: Tikhonov λ > 0 (``F + λI``), a float or a schedule of the
+      count. A refresh whose λ is not positive and finite (a schedule that
+      reaches 0, an injected value) keeps the previous inverses and is
+      counted in the state's ``rejected_refreshes``.
     ema_decay: ρ of the debiased EMA of the statistics, in [0, 1).
-    inverse_update_period: refresh damped inverses every this many updates.
-    stats_update_period: fold in statistics every this many updates.
+    inverse_update_period: refresh damped inverses every this many updates
+      (a positive int).
+    stats_update_period: fold in statistics every this many updates (a
+      positive int).
     estimation: how output gradients are drawn: ``"fisher"`` (targets
       sampled from the model, needs ``rng``), ``"empirical"`` (batch
       targets), ``"exact"`` (one backward pass per output dimension),
       ``"curvature_prop"`` (random-sign combinations of the exact ones,
       needs ``rng``).
     inverse: ``"eigh"`` or ``"cholesky"``.
-    num_samples: draws per example for ``"fisher"`` and ``"curvature_prop"``.
+    num_samples: draws per example for ``"fisher"`` and ``"curvature_prop"``,
+      a positive int.
     apply_kwargs: constant keyword arguments for ``apply_fn`` (e.g.
       ``{"train": True}``).
     layer_overrides: ``{path pattern: "skip" | "diagonal"}``, patterns in
@@ -151,6 +165,10 @@ def scale_by_kfac(
     holds other collections the model needs (e.g. ``{"batch_stats": ...}``);
     they are mutable in K-FAC's pass and its changes to them are discarded.
     ``rng`` also seeds the ``"dropout"`` stream of K-FAC's pass.
+    Updates are computed in float32 (float64 for float64 params) and
+    returned in the gradients' dtype; one that would not fit it is scaled
+    down (see `Curvature.precondition_and_count`) and counted in the state's
+    ``rescaled_updates``.
 
   Example:
     >>> import flax.linen as nn, jax, jax.numpy as jnp, kfac_optax
@@ -164,10 +182,14 @@ def scale_by_kfac(
     >>> grads = jax.tree.map(jnp.ones_like, params)
     >>> updates, state = tx.update(grads, state, params, batch=batch)
 
+  Raises:
+    ValueError: for a setting outside its range (a schedule: at count 0).
+
   References:
     Martens & Grosse, "Optimizing Neural Networks with Kronecker-factored
     Approximate Curvature", ICML 2015.
   """
+  checks.positive("damping", damping)
   curvature = _curvature_of(locals())
 
   def update_fn(updates, state, params=None, *, batch=None, rng=None,
@@ -179,7 +201,7 @@ def scale_by_kfac(
       state = curvature.update(state, params, batch=batch, rng=rng,
                                variables=variables,
                                damping=_value_at(damping, state.count))
-      return curvature.precondition(state, updates), state
+      return curvature.precondition_and_count(state, updates)
     return _with_auto_axes(precondition, updates, state, params, batch,
                            dict(variables or {}), rng)
 
@@ -211,6 +233,23 @@ class KFACState(NamedTuple):
   rho: jax.Array
   qmodel_change: jax.Array
   fisher_norm: jax.Array
+
+
+def _check_kfac_settings(arguments: dict[str, Any]) -> None:
+  """`kfac`'s own numeric settings (`Curvature` checks the shared ones)."""
+  for name in ("learning_rate", "norm_constraint"):
+    if arguments[name] is not None:
+      checks.positive(name, arguments[name])
+  for name in ("damping", "min_damping", "max_damping"):
+    checks.positive(name, arguments[name])
+  checks.ordered("min_damping", arguments["min_damping"],
+                 "max_damping", arguments["max_damping"])
+  checks.count("damping_adaptation_interval",
+               arguments["damping_adaptation_interval"], 1)
+  checks.in_range("damping_adaptation_decay", arguments["damping_adaptation_decay"],
+                  0.0, 1.0, low_open=True)
+  checks.in_range("l2_reg", arguments["l2_reg"], 0.0)
+  checks.count("num_burnin_steps", arguments["num_burnin_steps"], 0)
 
 
 def kfac(
@@ -281,14 +320,22 @@ def kfac(
     damping_adaptation_decay: ω = decay ** interval.
     min_damping: lower clip of the adapted λ.
     max_damping: upper clip of the adapted λ.
-    l2_reg: η, the user's L2 coefficient.
-    num_burnin_steps: leading updates that return zeros.
+    l2_reg: η ≥ 0, the user's L2 coefficient.
+    num_burnin_steps: leading updates that return zeros (an int ≥ 0).
+
+  Settings are checked where given: ``learning_rate`` > 0 when given,
+  ``norm_constraint`` > 0, ``damping`` > 0, ``0 < min_damping ≤
+  max_damping``, ``damping_adaptation_interval`` a positive int,
+  ``damping_adaptation_decay`` in (0, 1], and those of `scale_by_kfac`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update`` needs
     ``batch=`` (and ``rng=`` for random estimation modes). Arguments are
     spelled out so that ``optax.inject_hyperparams(kfac, static_args=
     ("apply_fn", "num_samples"))`` can inject the numeric ones.
+
+  Raises:
+    ValueError: for a setting outside its range (a schedule: at count 0).
 
   References:
     Martens & Grosse, "Optimizing Neural Networks with Kronecker-factored
@@ -303,6 +350,7 @@ def kfac(
     momentum = None if learning_rate is None else FIXED_MOMENTUM
   if adaptive_damping is None:
     adaptive_damping = learning_rate is None
+  _check_kfac_settings(locals())
   curvature = _curvature_of(locals())
   if norm_constraint is not None and learning_rate is None:
     raise ValueError("norm_constraint bounds the step of a given learning "
@@ -335,7 +383,7 @@ def kfac(
     curvature_state = curvature.update(
         state.curvature, params, batch=batch, rng=rng, variables=variables,
         damping=damping_now + l2_reg)
-    v = curvature.precondition(curvature_state, grads)
+    v, curvature_state = curvature.precondition_and_count(curvature_state, grads)
     previous = state.previous_update
     vg = adaptive.tree_dot(v, grads)
     lr = None if learning_rate is None else _value_at(learning_rate, count)
@@ -413,12 +461,18 @@ def kfac(
 def stats(opt_state: Any) -> dict[str, jax.Array]:
   """Scalars to log from a state holding `kfac`'s or `scale_by_kfac`'s state.
 
-  Returns ``{"damping", "learning_rate", "momentum", "rho",
-  "qmodel_change", "fisher_norm"}`` (see `KFACState`) from the first
-  `KFACState` found in ``opt_state`` (any optax wrapper or TrainState
-  around it). With only a `ScaleByKFACState` (``scale_by_kfac`` in a user's
-  chain) ``damping`` is its last λ and the others, which that chain's other
-  members own, are nan.
+  Returns, from the first `KFACState` found in ``opt_state`` (any optax
+  wrapper or TrainState around it), else the first `ScaleByKFACState`:
+
+  - ``damping``: the damping of the inverses in use, from the last accepted
+    refresh (``λ + l2_reg`` for `kfac`; nan before the first refresh);
+  - ``rejected_statistics``, ``rejected_refreshes``, ``rescaled_updates``:
+    the counters of `ScaleByKFACState`;
+  - ``requested_damping``, ``learning_rate``, ``momentum``, ``rho``,
+    ``qmodel_change``, ``fisher_norm``: see `KFACState` (``requested_damping``
+    is its ``damping``: the λ the optimizer asks for, adapted or scheduled).
+    With only a `ScaleByKFACState` (``scale_by_kfac`` in a user's chain),
+    these values, which that chain's other members own, are nan.
 
   Raises:
     ValueError: if ``opt_state`` holds neither state.
@@ -426,15 +480,22 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
   kinds = (KFACState, ScaleByKFACState)
   found = [node for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds))
            if isinstance(node, kinds)]
+  if not found:
+    raise ValueError("kfac_optax.stats found no kfac or scale_by_kfac state in "
+                     f"the given {type(opt_state).__name__}")
   full = [node for node in found if isinstance(node, KFACState)]
+  curvature = full[0].curvature if full else found[0]
+  counted = {"damping": curvature.damping,
+             "rejected_statistics": curvature.rejected_statistics,
+             "rejected_refreshes": curvature.rejected_refreshes,
+             "rescaled_updates": curvature.rescaled_updates}
   if full:
     state = full[0]
-    return {"damping": state.damping, "learning_rate": state.learning_rate,
-            "momentum": state.momentum, "rho": state.rho,
-            "qmodel_change": state.qmodel_change, "fisher_norm": state.fisher_norm}
-  if found:
-    nan = jnp.full([], _NAN, jnp.float32)
-    return {"damping": found[0].damping, "learning_rate": nan, "momentum": nan,
-            "rho": nan, "qmodel_change": nan, "fisher_norm": nan}
-  raise ValueError("kfac_optax.stats found no kfac or scale_by_kfac state in "
-                   f"the given {type(opt_state).__name__}")
+    return {**counted, "requested_damping": state.damping,
+            "learning_rate": state.learning_rate, "momentum": state.momentum,
+            "rho": state.rho, "qmodel_change": state.qmodel_change,
+            "fisher_norm": state.fisher_norm}
+  nan = jnp.full([], _NAN, jnp.float32)
+  return {**counted, **{name: nan for name in (
+      "requested_damping", "learning_rate", "momentum", "rho", "qmodel_change",
+      "fisher_norm")}}

@@ -350,9 +350,11 @@ def test_stats_of_kfac_train_state_and_of_a_chain():
   train_state = jax.jit(lambda s: s.apply_gradients(
       grads=grads_at(PARAMS, BATCH), batch=BATCH))(train_state)
   stats = jax.jit(kfac_optax.stats)(train_state)
-  assert set(stats) == {"damping", "learning_rate", "momentum", "rho",
-                        "qmodel_change", "fisher_norm"}
+  assert set(stats) == {"damping", "requested_damping", "learning_rate", "momentum",
+                        "rho", "qmodel_change", "fisher_norm", "rejected_statistics",
+                        "rejected_refreshes", "rescaled_updates"}
   assert float(stats["damping"]) == pytest.approx(DAMPING)
+  assert float(stats["requested_damping"]) == pytest.approx(DAMPING)
   assert float(stats["learning_rate"]) == pytest.approx(0.1)
   assert float(stats["momentum"]) == pytest.approx(0.9)
   assert np.isnan(stats["rho"]) and float(stats["fisher_norm"]) > 0

@@ -6,6 +6,8 @@ forwarded keyword (batch, rng, variables), a wrong step count or a dropped
 hyperparameter shows up as a numerical mismatch.
 """
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -290,6 +292,111 @@ def test_train_state_overwrite_with_gradient():
     assert trees_differ(state.params["params"], old["params"], rtol=1e-4)
 
 
+class BatchNormMLP(nn.Module):
+  """Dense -> BatchNorm (batch statistics) -> tanh -> Dense."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.BatchNorm(use_running_average=False, momentum=0.5, name="bn")(
+        nn.Dense(4, name="hidden")(x))
+    return nn.Dense(3, name="out")(jnp.tanh(h))
+
+
+class BatchStatsState(kfac_optax.TrainState):
+  batch_stats: Any = None
+
+
+def test_train_state_forwards_variables_of_a_batch_norm_model():
+  model = BatchNormMLP()
+  variables = model.init(jax.random.key(8), BATCH[0])
+  tx = kfac_optax.kfac(model.apply, LOSS, example_batch=BATCH,
+                       learning_rate=0.1, **SETTINGS)
+  state = BatchStatsState.create(apply_fn=model.apply, params=variables["params"],
+                                 tx=tx, batch_stats=variables["batch_stats"])
+  assert set(state.opt_state[0].factors) == {"hidden", "bn", "out"}
+
+  @jax.jit
+  def step(state, batch, rng):
+    def loss_fn(params):  # the user's step owns batch_stats
+      logits, new = model.apply(
+          {"params": params, "batch_stats": state.batch_stats}, batch[0],
+          mutable=["batch_stats"])
+      return LOSS.value(logits, batch), new["batch_stats"]
+    (value, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.params)
+    others = {"batch_stats": state.batch_stats}
+    new_state = state.apply_gradients(grads=grads, batch=batch, rng=rng,
+                                      variables=others, batch_stats=new_stats)
+    updates, _ = tx.update(grads, state.opt_state, state.params, batch=batch,
+                           rng=rng, variables=others)
+    return new_state, value, new_stats, optax.apply_updates(state.params, updates)
+
+  values = []
+  for t, rng in enumerate(jax.random.split(jax.random.key(9), 4)):
+    state, value, new_stats, manual = step(state, BATCH, rng)
+    values.append(float(value))
+    assert int(state.step) == t + 1
+    assert_trees_close(state.params, manual, rtol=0)
+    assert_trees_close(state.batch_stats, new_stats, rtol=0)  # field replaced
+  assert np.all(np.isfinite(values)) and values[-1] < 0.8 * values[0]
+
+
+def scale_by_keyword():
+  """Multiplies the updates by the ``scale`` keyword of ``update``."""
+  def update_fn(updates, state, params=None, *, scale=1.0, **extra_args):
+    del params, extra_args
+    return jax.tree.map(lambda u: scale * u, updates), state
+  return optax.GradientTransformationExtraArgs(
+      lambda params: optax.EmptyState(), update_fn)
+
+
+def test_train_state_forwards_keywords_that_are_not_fields():
+  tx = optax.chain(kfac(estimation="empirical", learning_rate=0.1),
+                   scale_by_keyword())
+  state = kfac_optax.TrainState.create(apply_fn=APPLY, params=PARAMS, tx=tx)
+
+  @jax.jit
+  def step(state, scale):
+    grads = grad_fn(state.params, BATCH)
+    return state.apply_gradients(grads=grads, batch=BATCH, scale=scale)
+
+  frozen, moved = step(state, 0.0), step(state, 1.0)
+  assert_trees_close(frozen.params, PARAMS, rtol=0)
+  assert trees_differ(moved.params, PARAMS, rtol=1e-4)
+  assert int(frozen.step) == int(moved.step) == 1
+
+
+def test_apply_if_finite_skips_a_nan_batch_and_training_goes_on():
+  # The README's recipe: apply_if_finite forwards batch= and rng= to kfac.
+  tx = optax.apply_if_finite(kfac(estimation="fisher", learning_rate=0.05),
+                             max_consecutive_errors=3)
+  state = kfac_optax.TrainState.create(apply_fn=APPLY, params=PARAMS, tx=tx)
+
+  @jax.jit
+  def step(state, batch, rng):
+    value, grads = jax.value_and_grad(loss_value)(state.params, batch)
+    return state.apply_gradients(grads=grads, batch=batch, rng=rng), value
+
+  nan_batch = (BATCH[0].at[0, 0].set(jnp.nan), BATCH[1])
+  initial = float(loss_jit(PARAMS, BATCH))
+  rngs = jax.random.split(jax.random.key(5), 6)
+  state, _ = step(state, BATCH, rngs[0])
+  before = state
+  state, value = step(state, nan_batch, rngs[1])
+  assert not np.isfinite(value)
+  assert int(state.opt_state.notfinite_count) == 1
+  assert_trees_close(state.params, before.params, rtol=0)  # step skipped
+  assert_trees_close(state.opt_state.inner_state, before.opt_state.inner_state,
+                     rtol=0)  # K-FAC's statistics untouched
+  for rng in rngs[2:]:
+    state, value = step(state, BATCH, rng)
+    assert np.isfinite(value)
+  assert int(state.opt_state.notfinite_count) == 0
+  assert int(state.opt_state.total_notfinite) == 1
+  final = float(loss_jit(state.params, BATCH))
+  assert np.isfinite(final) and final < 0.8 * initial
+
+
 # 7. Errors.
 def test_update_without_batch_raises():
   tx = scale_by_kfac(estimation="empirical")
@@ -324,6 +431,42 @@ def test_whole_variables_dict_as_params_raises():
   whole = {"params": PARAMS}
   with pytest.raises(ValueError, match=r"\[.params.\]"):
     jax.jit(lambda g, s: tx.update(g, s, whole, batch=BATCH))(whole, state)
+
+
+class WithOddParams(nn.Module):
+  """TinyMLP plus a complex Dense and an integer param."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = jnp.real(nn.Dense(5, param_dtype=jnp.complex64, name="complex")(x))
+    counter = self.param("counter", lambda key: jnp.zeros((3,), jnp.int32))
+    return bf.TinyMLP(name="mlp")(x) + counter
+
+
+def test_integer_and_complex_params_raise_at_init():
+  model = WithOddParams()
+  params = model.init(jax.random.key(0), BATCH[0])["params"]
+  tx = kfac_optax.scale_by_kfac(model.apply, LOSS, example_batch=BATCH)
+  with pytest.raises(TypeError) as error:
+    tx.init(params)
+  assert str(error.value) == (
+      "kfac_optax trains real floating-point params only; these params leaves "
+      "are not: complex/bias (complex64), complex/kernel (complex64), counter "
+      "(int32).\nFix: keep integer arrays out of the 'params' collection "
+      "(e.g. self.variable('constants', ...)) and pass that collection as "
+      "update(..., variables=...) or TrainState.apply_gradients(..., "
+      "variables=...); write a complex weight as two real params (its real "
+      "and imaginary parts).")
+
+
+def test_empirical_targets_of_the_wrong_shape_name_the_fix():
+  wrong = (BATCH[0], BATCH[1][:, None])  # labels (N, 1) for logits (N, 3)
+  tx = scale_by_kfac(estimation="empirical")
+  with pytest.raises(ValueError, match=(
+      r"^softmax_cross_entropy: targets\(batch\) has shape \(6, 1\) \(int32\) "
+      r"for outputs of shape \(6, 3\); targets= must return integer class "
+      r"labels \(not one-hot\) of shape outputs.shape\[:-1\], here \(6,\)")):
+    jax.jit(lambda g, s: tx.update(g, s, PARAMS, batch=wrong))(PARAMS, tx.init(PARAMS))
 
 
 def test_dict_batch_needs_inputs():

@@ -78,3 +78,45 @@ def test_value_is_mean_of_per_term_nll(make, targets, expected):
 def test_default_targets_need_a_tuple_batch():
   with pytest.raises(TypeError, match="targets="):
     losses.softmax_cross_entropy().value(OUTPUTS, {"y": 0})
+
+
+FIT_SOFTMAX = ("integer class labels (not one-hot) of shape outputs.shape[:-1], "
+               "here (2, 3)")
+FIT_OUTPUTS = ("targets of the outputs' shape (one output unit still has its "
+               "last axis: y[..., None]), here (2, 3, 4)")
+
+
+@pytest.mark.parametrize("make, targets, message", [
+    (losses.softmax_cross_entropy, jnp.zeros((2, 3, 4), jnp.int32),
+     "softmax_cross_entropy: targets(batch) has shape (2, 3, 4) (int32) for "
+     f"outputs of shape (2, 3, 4); targets= must return {FIT_SOFTMAX}"),
+    (losses.softmax_cross_entropy, jnp.zeros((2, 3), jnp.float32),
+     "softmax_cross_entropy: targets(batch) has shape (2, 3) (float32) for "
+     f"outputs of shape (2, 3, 4); targets= must return {FIT_SOFTMAX}"),
+    (losses.sigmoid_cross_entropy, jnp.ones((2, 3)),
+     "sigmoid_cross_entropy: targets(batch) has shape (2, 3) (float32) for "
+     f"outputs of shape (2, 3, 4); targets= must return {FIT_OUTPUTS}"),
+    (losses.squared_error, jnp.ones((3, 4)),
+     "squared_error: targets(batch) has shape (3, 4) (float32) for "
+     f"outputs of shape (2, 3, 4); targets= must return {FIT_OUTPUTS}"),
+], ids=["one-hot", "float-labels", "sigmoid", "squared-error"])
+@pytest.mark.parametrize("use", ["value", "empirical"])
+def test_targets_that_do_not_fit_the_outputs_raise(make, targets, message, use):
+  loss = make(targets=lambda batch: batch["y"])
+  read = {"value": lambda f, b: loss.value(f, b),
+          "empirical": lambda f, b: losses.output_cotangents(
+              loss, f, b, "empirical", None, 1)}[use]
+  with pytest.raises(ValueError) as error:
+    jax.jit(read)(OUTPUTS, {"y": targets})
+  assert str(error.value) == message
+
+
+def test_squared_error_single_output_does_not_broadcast():
+  # outputs (B, 1) and targets (B,) once broadcast to (B, B) silently.
+  outputs, targets = jnp.zeros((5, 1)), jnp.arange(5.0)
+  loss = losses.squared_error()
+  with pytest.raises(ValueError, match=r"\(5,\) \(float32\) for outputs of "
+                     r"shape \(5, 1\).*y\[\.\.\., None\]\), here \(5, 1\)"):
+    loss.value(outputs, (None, targets))
+  np.testing.assert_allclose(loss.value(outputs, (None, targets[:, None])),
+                             0.5 * np.mean(np.arange(5.0) ** 2))

@@ -84,3 +84,73 @@ def test_low_precision_sharded_matches_one_device():
   # Only the order of float32 reductions over the batch differs.
   assert bf.relative_error(state.factors, jax.tree.map(np.asarray, reference.factors)) < 1e-4
   assert bf.relative_error(updates, jax.tree.map(np.asarray, expected)) < 2e-3
+
+
+def test_float16_update_at_tiny_damping_is_scaled_to_fit():
+  """Batch 2, width 256, λ = 1e-12: the float32 product exceeds float16's range
+  (65504); the whole update is scaled by one factor to 1/16 of it, counted."""
+
+  class Wide(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      kwargs = dict(dtype=jnp.float16, param_dtype=jnp.float16)
+      return nn.Dense(10, **kwargs)(jnp.tanh(nn.Dense(256, **kwargs)(x)))
+
+  x = jax.random.normal(jax.random.key(0), (2, 64)).astype(jnp.float16)
+  batch, model = (x, jnp.array([1, 2])), Wide()
+  loss = kfac_optax.losses.softmax_cross_entropy()
+  params = model.init(jax.random.key(1), x)["params"]
+  tx = kfac_optax.scale_by_kfac(model.apply, loss, example_batch=batch,
+                                estimation="empirical", damping=1e-12)
+  grads = jax.grad(lambda p: loss.value(model.apply({"params": p}, x), batch))(params)
+  updates, state = jax.jit(lambda g, s: tx.update(g, s, params, batch=batch))(
+      grads, tx.init(params))
+
+  assert all(u.dtype == jnp.float16 for u in jax.tree.leaves(updates))
+  assert all(np.all(np.isfinite(np.asarray(u, np.float32))) for u in jax.tree.leaves(updates))
+  assert int(kfac_optax.stats(state)["rescaled_updates"]) == 1
+  # The direction is the float32 inverses' product, scaled by one factor.
+  expected = {}
+  for name in ("Dense_0", "Dense_1"):
+    inverse, g = state.inverses[name], grads[name]
+    v = np.concatenate([np.asarray(g["kernel"], np.float64),
+                        np.asarray(g["bias"], np.float64)[None]])
+    expected[name] = (np.asarray(inverse.a[0], np.float64) @ v
+                      @ np.asarray(inverse.g[0], np.float64))
+  peak = max(np.abs(e).max() for e in expected.values())
+  limit = float(np.finfo(np.float16).max) / 16
+  assert peak > 16 * limit  # it would overflow without the scaling
+  for name, e in expected.items():
+    actual = np.concatenate([updates[name]["kernel"], updates[name]["bias"][None]])
+    # float16 rounding: 2^-11 relative to each entry, plus the float32 products.
+    np.testing.assert_allclose(actual.astype(np.float64), e * limit / peak,
+                               rtol=2e-3, atol=2e-3 * limit)
+
+
+def test_float64_params_keep_float64_curvature():
+  with jax.enable_x64(True):
+    params, batch = bf.tiny_problem()
+    params = jax.tree.map(lambda p: p.astype(jnp.float64), params)
+    batch = (batch[0].astype(jnp.float64), batch[1])
+    loss = kfac_optax.losses.softmax_cross_entropy()
+    damping = 1e-3
+    tx = kfac_optax.scale_by_kfac(bf.TinyMLP().apply, loss, example_batch=batch,
+                                  estimation="empirical", damping=damping)
+    grads = jax.grad(lambda p: loss.value(bf.TinyMLP().apply({"params": p}, batch[0]),
+                                          batch))(params)
+    updates, state = jax.jit(lambda g, s: tx.update(g, s, params, batch=batch))(
+        grads, tx.init(params))
+    leaves = jax.tree.leaves((updates, state.factors, state.inverses, state.damping))
+    assert {leaf.dtype for leaf in leaves} == {jnp.dtype(jnp.float64)}
+
+    # A depends on the float64 forward pass alone: float64 agreement.
+    expected = bf.factors(params, batch, "empirical")
+    for name in bf.LAYERS:
+      a = np.asarray(state.factors[name].a[0])
+      np.testing.assert_allclose(a, expected[name][0], rtol=0,
+                                 atol=1e-13 * np.abs(expected[name][0]).max())
+    # The update solves with the state's own factors to float64 precision
+    # (float32 inverses would be off by ~1e-7 times the condition number).
+    own = {name: (np.asarray(state.factors[name].a[0]), np.asarray(state.factors[name].g[0]))
+           for name in bf.LAYERS}
+    assert bf.relative_error(updates, bf.precondition(own, grads, damping)) < 1e-10

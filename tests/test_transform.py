@@ -5,6 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import kfac_optax
@@ -130,7 +131,51 @@ def test_non_finite_statistics_never_enter_the_factors():
   jax.tree.map(np.testing.assert_array_equal, bad.factors, good.factors)
   jax.tree.map(np.testing.assert_array_equal, bad.inverses, good.inverses)
   assert int(bad.stats_count) == 1 and int(bad.count) == 2
+  assert int(bad.rejected_statistics) == 1 and int(good.rejected_statistics) == 0
+  assert kfac_optax.stats(bad)["rejected_statistics"] == 1
   assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(out))
+
+
+def test_schedule_reaching_zero_damping_is_a_rejected_refresh():
+  # The schedule is valid at count 0 (checked at construction), then 0 and
+  # negative: those refreshes keep the inverses of λ = 1e-2 and say so.
+  tx, params = make_tx(estimation="empirical",
+                       damping=lambda count: jnp.array([1e-2, 0.0, -1.0])[count])
+  update = jax.jit(lambda g, s, b: tx.update(g, s, params, batch=b))
+  state = tx.init(params)
+  assert np.isnan(kfac_optax.stats(state)["damping"])
+  outs, states = [], []
+  for seed in range(3):
+    out, state = update(random_grads(params, seed), state, bf.tiny_problem(seed=seed)[1])
+    outs.append(out)
+    states.append(state)
+  assert [int(s.rejected_refreshes) for s in states] == [0, 1, 2]
+  for state in states[1:]:
+    jax.tree.map(np.testing.assert_array_equal, state.inverses, states[0].inverses)
+    assert float(kfac_optax.stats(state)["damping"]) == pytest.approx(1e-2)
+  assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(outs))
+  # Later updates still use the λ = 1e-2 inverses, with the new statistics.
+  expected = bf.factors(params, bf.tiny_problem(seed=0)[1], "empirical")
+  assert bf.relative_error(outs[2], bf.precondition(
+      expected, random_grads(params, 2), DAMPING)) < 1e-3
+
+
+def test_injected_invalid_damping_is_a_rejected_refresh():
+  params, batch = bf.tiny_problem()
+  tx = optax.inject_hyperparams(kfac_optax.scale_by_kfac,
+                                static_args=("apply_fn", "num_samples"))(
+      bf.TinyMLP().apply, LOSS, example_batch=batch, estimation="empirical",
+      damping=DAMPING, inverse_update_period=1)
+  update = jax.jit(lambda g, s, b: tx.update(g, s, params, batch=b))
+  state = tx.init(params)
+  _, state = update(random_grads(params, 0), state, batch)
+  for damping in (0.0, -1e-2, float("nan")):
+    state.hyperparams["damping"] = jnp.asarray(damping, jnp.float32)
+    out, new = update(random_grads(params, 1), state, batch)
+    assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(out))
+    stats = kfac_optax.stats(new)
+    assert int(stats["rejected_refreshes"]) == 1
+    assert float(stats["damping"]) == pytest.approx(DAMPING)
 
 
 def test_fresh_state_can_be_donated():

@@ -1,0 +1,78 @@
+"""Validation of numeric settings, where they are given.
+
+Each check raises a ``ValueError`` naming the argument, the value and the
+valid range. A schedule is checked at count 0. Traced values (a
+hyperparameter injected with `optax.inject_hyperparams`, inside `jax.jit`)
+cannot be checked here; the curvature treats an invalid traced damping as a
+rejected inverse refresh instead (see `curvature.Curvature.update`).
+"""
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def _concrete(name: str, value: Any) -> tuple[str, Any]:
+  """``(how to name it, its value)``; the value is None when traced."""
+  if callable(value):
+    name, value = f"{name} (a schedule, at count 0)", value(0)
+  if isinstance(value, jax.core.Tracer):
+    return name, None
+  return name, value
+
+
+def _as_number(value: Any) -> float:
+  return float(np.asarray(value))
+
+
+def in_range(name: str, value: Any, low: float = -math.inf, high: float = math.inf,
+             *, low_open: bool = False, high_open: bool = False) -> None:
+  """``value`` (a number or a schedule) lies in the interval from low to high.
+
+  Args:
+    name: the argument's name, for the message.
+    value: a number, a scalar array or a schedule; a traced value passes.
+    low, high: the bounds (infinite: unbounded).
+    low_open, high_open: whether the bound itself is excluded.
+  """
+  name, value = _concrete(name, value)
+  if value is None:
+    return
+  number = _as_number(value)
+  above = number > low if low_open else number >= low
+  below = number < high if high_open else number <= high
+  if not (above and below):  # also catches nan
+    if high == math.inf:
+      valid = f"{'>' if low_open else '>='} {low:g}"
+    else:
+      valid = (f"in {'(' if low_open else '['}{low:g}, {high:g}"
+               f"{')' if high_open else ']'}")
+    raise ValueError(f"{name} must be {valid}, got {value!r}")
+
+
+def positive(name: str, value: Any) -> None:
+  """``value > 0`` (a number or a schedule)."""
+  in_range(name, value, 0.0, low_open=True)
+
+
+def count(name: str, value: Any, minimum: int) -> None:
+  """``value`` is an integer ``>= minimum``: a Python int or an integer array.
+
+  Integer arrays are what `optax.inject_hyperparams` passes for int settings.
+  """
+  if isinstance(value, jax.core.Tracer):
+    return
+  integral = (not isinstance(value, bool) and np.ndim(value) == 0
+              and np.issubdtype(np.asarray(value).dtype, np.integer))
+  if not integral or int(value) < minimum:
+    raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def ordered(low_name: str, low: Any, high_name: str, high: Any) -> None:
+  """``low <= high`` (when both are concrete)."""
+  low_name, low = _concrete(low_name, low)
+  high_name, high = _concrete(high_name, high)
+  if low is not None and high is not None and not _as_number(low) <= _as_number(high):
+    raise ValueError(f"{low_name} must be <= {high_name}, got {low!r} > {high!r}")
