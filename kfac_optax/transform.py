@@ -282,23 +282,34 @@ def kfac(
   """K-FAC with a learning rate and momentum: the optimizer to drop in.
 
   Each update is ``δ = α v + μ δ_prev`` with ``v = F̂⁻¹ g`` the K-FAC
-  preconditioned gradient (`scale_by_kfac`, damped with ``λ + l2_reg``):
+  preconditioned gradient (`scale_by_kfac`, damped with ``λ + l2_reg``).
+  Two ways to use it:
 
-  - fixed or scheduled ``learning_rate`` and ``momentum``: ``α = -lr``,
-    ``μ = momentum``; with ``norm_constraint=c``, ``α`` is scaled down so
-    that ``α² vᵀ F̂ v = α² vᵀ g ≤ c`` (Ba et al. 2017);
-  - ``learning_rate=None`` and/or ``momentum=None``: the free coefficients
-    minimise the damped quadratic model
-    ``q(δ) = gᵀδ + ½ δᵀ(F + (λ + l2_reg) I)δ`` along ``v`` and ``δ_prev``,
-    with exact Fisher(=GGN)-vector products on the batch (two forward-mode
-    passes; the "qmodel" momentum of the TF K-FAC optimizer);
-  - ``adaptive_damping``: every ``damping_adaptation_interval`` steps, the
-    reduction ratio ``ρ = (h(θ+δ) - h(θ)) / q₀(δ)`` (``q₀`` without λ; one
-    extra forward pass on those steps) moves λ by the Levenberg-Marquardt
-    rule of Martens & Grosse (2015, section 6.5), see
-    `adaptive.levenberg_marquardt`;
-  - the first ``num_burnin_steps`` updates only gather statistics and
-    return zero updates.
+  - **Automatic** (the default: no ``learning_rate``): α and μ minimise the
+    damped quadratic model ``q(δ) = gᵀδ + ½ δᵀ(F + (λ + l2_reg) I)δ`` along
+    ``v`` and ``δ_prev``, with exact Fisher(=GGN)-vector products on the
+    batch (two forward-mode passes; the "qmodel" momentum of the TF K-FAC
+    optimizer), and λ adapts. Safeguards (`adaptive.quadratic_coefficients`):
+    μ is the model's best in [0, 1]; nearly parallel ``v`` and ``δ_prev``
+    fall back to α alone; a step the model does not predict to lower the
+    loss is not taken.
+  - **Fixed** ``learning_rate`` (a float or a schedule): ``α = -lr``, and
+    ``momentum="auto"`` means μ = 0.9; with ``norm_constraint=c``, α is
+    scaled down so that ``α² vᵀ F̂ v = α² vᵀ g ≤ c`` (Ba et al. 2017).
+    ``learning_rate=None`` with a given ``momentum``, or a given
+    ``learning_rate`` with ``momentum=None``, solves for the free one only.
+
+  ``adaptive_damping`` (default: on in the automatic mode) measures the
+  reduction ratio ``ρ = (h(θ+δ) - h(θ)) / q₀(δ)`` (``q₀`` without λ; one
+  extra forward pass) every ``damping_adaptation_interval`` steps, and on
+  every step after a poor one (ρ < ¼ or nan) until a good one, and moves λ
+  by the Levenberg-Marquardt rule of Martens & Grosse (2015, section 6.5),
+  see `adaptive.levenberg_marquardt`. A step the model does not predict to
+  lower the loss has ρ = nan; a measured step with ρ < 0 or nan is not
+  taken (zero update, momentum restarted).
+
+  The first ``num_burnin_steps`` updates only gather statistics and return
+  zero updates.
 
   ``l2_reg`` is the coefficient η of an L2 term ``η/2 ‖θ‖²`` that the user
   adds to the loss (its gradient is the user's): it is added to the
@@ -308,14 +319,17 @@ def kfac(
     apply_fn: the flax apply function, e.g. ``model.apply``.
     loss: the model's predictive distribution (`kfac_optax.losses`).
     example_batch: see `scale_by_kfac`.
-    learning_rate: a float, a schedule of the step, or None (quadratic model).
-    momentum: a float, a schedule, or None (quadratic model).
+    learning_rate: a float, a schedule of the step, or None (the automatic
+      mode: chosen by the quadratic model).
+    momentum: a float, a schedule, None (chosen by the quadratic model), or
+      ``"auto"``: None without a learning rate, else 0.9.
     inputs, damping, ema_decay, inverse_update_period, stats_update_period,
     estimation, inverse, num_samples, apply_kwargs, layer_overrides, mesh:
       see `scale_by_kfac`. With ``adaptive_damping``, ``damping`` is the
       initial λ.
     norm_constraint: c, or None; needs a fixed or scheduled learning rate.
-    adaptive_damping: adapt λ by the Levenberg-Marquardt rule.
+    adaptive_damping: adapt λ by the Levenberg-Marquardt rule; None: when
+      ``learning_rate`` is None.
     damping_adaptation_interval: steps between adaptations.
     damping_adaptation_decay: ω = decay ** interval.
     min_damping: lower clip of the adapted λ.
