@@ -186,7 +186,7 @@ def markdown(payload):
       row = result["rows"][name]
       label = f"{name} (best)" if name == result["best_adam"] else name
       lines.append("| " + " | ".join([
-          model, label, fmt(row["final_loss"], ".4g"), fmt(row["vs_adam"], ".2f"),
+          model, label, fmt(row["final_loss"], ".4g"), fmt(row["vs_adam"], ".3g"),
           fmt(row["first_nonfinite_step"], "d"), fmt(row["steps_to_adam"], "d"),
           fmt(row["seconds_to_adam"]), fmt(row["mean_ms"])]) + " |")
     lines += [f"| {model} | {name} | failed: `{error}` | | | | | |"
