@@ -30,6 +30,8 @@ workload is measured the same way:
   smoothed loss any Adam run had at given steps; the time to a target is the
   sum of step times (compilation excluded) until a contender's smoothed loss
   first reaches it.
+- Accelerators: on a GPU (or any non-CPU backend) the results go to their
+  own files and RESULTS.md sections, ``<name>_gpu`` (`backend_suffix`).
 """
 
 import argparse
@@ -184,6 +186,21 @@ def optax_contender(name, family, tx, settings, workload, step):
         apply_fn=workload.model.apply, params=params, tx=tx))
   return Contender(name, family, settings, start,
                    lambda state, batch, rng, i: step(state, batch, rng))
+
+
+def backend_suffix() -> str:
+  """``""`` on CPU, ``"_gpu"`` (the backend's name) elsewhere.
+
+  Results of an accelerator go to their own files and RESULTS.md sections
+  (``autoencoder_gpu.json``, ...), never over the CPU ones.
+  """
+  backend = jax.default_backend()
+  return "" if backend == "cpu" else f"_{backend}"
+
+
+def accelerator() -> str | None:
+  """The accelerator's name (e.g. ``NVIDIA H100 80GB HBM3``); None on CPU."""
+  return None if jax.default_backend() == "cpu" else jax.devices()[0].device_kind
 
 
 def import_kfac_jax(mode: str = "auto"):
@@ -496,6 +513,7 @@ def environment():
   except ImportError:
     blas = ["threadpoolctl missing: OpenBLAS threads not limited"]
   return dict(
+      accelerator=accelerator(),
       cpu=first_line("/proc/cpuinfo", "model name") or platform.machine(),
       cores=len(os.sched_getaffinity(0)),
       memory=f"{int(memory.split()[0]) / 2**20:.1f} GiB" if memory else None,
@@ -566,7 +584,9 @@ def markdown_section(payload):
       f"## {payload['title']}", "",
       f"- **Command:** `{payload['command']}` ({payload['date']}, "
       f"{payload['wall_s'] / 60:.1f} min)",
-      f"- **Machine:** {env['cpu']}, {env['cores']} cores, {env['memory']}; "
+      f"- **Machine:** "
+      + (f"{env['accelerator']}, host " if env.get("accelerator") else "")
+      + f"{env['cpu']}, {env['cores']} cores, {env['memory']}; "
       f"load average during the run {load['min']:.1f}-{load['max']:.1f} "
       f"(median {load['median']:.1f}); BLAS: {', '.join(env['blas'])}",
       "- **Versions:** " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
@@ -612,9 +632,14 @@ def markdown_section(payload):
   return "\n".join(lines)
 
 
-def update_markdown(path, name, section):
-  """Replaces the section between ``name``'s markers in ``path`` (or appends it)."""
-  begin = f"<!-- {name}:begin (written by benchmarks/{name}.py) -->"
+def update_markdown(path, name, section, script=None):
+  """Replaces the section between ``name``'s markers in ``path`` (or appends it).
+
+  ``script`` names the writer in the begin marker (default
+  ``benchmarks/{name}.py``).
+  """
+  script = script or f"benchmarks/{name}.py"
+  begin = f"<!-- {name}:begin (written by {script}) -->"
   end = f"<!-- {name}:end -->"
   text = ""
   if os.path.isfile(path):
@@ -742,8 +767,11 @@ def main(make_workload, goals, defaults, argv=None, script=None):
                           args.log_every, load))
   rows, summary = summarize(contenders, records, compile_s, args.target_steps,
                             args.key_target_step)
+  name = workload.name + backend_suffix()
+  title = workload.title + (f" on GPU ({env['accelerator']})"
+                            if env["accelerator"] else "")
   payload = dict(
-      name=workload.name, title=workload.title, description=workload.description,
+      name=name, title=title, description=workload.description,
       command=command, date=datetime.datetime.now(datetime.timezone.utc).strftime(
           "%Y-%m-%d %H:%M UTC"),
       environment=env, load_average=load.summary(),
@@ -753,13 +781,14 @@ def main(make_workload, goals, defaults, argv=None, script=None):
       kfac_jax_unavailable=unavailable, failed=failed, rows=rows,
       summary=summary, goals=check_goals(goals, rows))
   if args.out_dir:
-    save_plot(os.path.join(args.out_dir, f"{workload.name}.png"), rows,
-              summary["targets"], workload.title)
+    save_plot(os.path.join(args.out_dir, f"{name}.png"), rows,
+              summary["targets"], title)
   payload["wall_s"] = time.perf_counter() - started
   if args.out_dir:
-    write_json(os.path.join(args.out_dir, f"{workload.name}.json"), payload)
+    write_json(os.path.join(args.out_dir, f"{name}.json"), payload)
   if args.markdown:
-    update_markdown(args.markdown, workload.name, markdown_section(payload))
+    update_markdown(args.markdown, name, markdown_section(payload),
+                    f"benchmarks/{workload.name}.py")
   print("\n" + markdown_section(payload) + "\n")
   print(f"done in {payload['wall_s']:.0f} s", flush=True)
   return payload

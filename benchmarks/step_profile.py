@@ -22,6 +22,14 @@ Two views of the benchmark's kfac_optax step (same settings):
    XLA:CPU runs convolutions asynchronously in Eigen's thread pool, outside
    the profiled op events, so the convnet's convolutions (forward and both
    backward passes) are all but missing from this view; view 1 includes them.
+   On a GPU the view sums the kernel times on the device (cuBLAS, cuDNN and
+   Triton matmuls count as matmuls, cuSOLVER as the inverses); the step time
+   of view 1 also holds the host's dispatch and any idle device time. Run
+   it there with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=``: by default
+   XLA replays runs of kernels as CUDA graphs, which the profile names only
+   ``command_buffer_N``, not by op.
+   Results on an accelerator go to their own JSON and RESULTS.md section
+   (``step_profile_gpu``).
 
 From the repository root::
 
@@ -53,7 +61,8 @@ TOP_OPS = 8
 PARTS = ("forward (shared with the capture)",
          "backward passes (user's and capture's)",
          "other K-FAC matmuls (factors, preconditioning)",
-         "LAPACK (inverses)", "elementwise, pooling, iota/copies and other")
+         "LAPACK or cuSOLVER (inverses)",
+         "elementwise, pooling, iota/copies and other")
 
 
 def variants(workload, settings, inverse_period):
@@ -87,8 +96,10 @@ def part_of(hlo_line):
     return None
   op_name = re.search(r'op_name="([^"]*)"', hlo_line)
   op_name = op_name.group(1) if op_name else ""
-  matmul = opcode in ("dot", "convolution") or name.startswith("ynn_fusion")
-  if 'custom_call_target="lapack' in hlo_line:
+  matmul = (opcode in ("dot", "convolution") or name.startswith("ynn_fusion")
+            or re.search(r'"__(cublas|cudnn|triton_(nested_)?gemm)', hlo_line) is not None)
+  if re.search(r'custom_call_target="(lapack|cusolver|__cublas\$triangularSolve)',
+               hlo_line):
     return PARTS[3]
   if re.search(r"\bjvp\(\w+\)/", op_name) and "transpose(" not in op_name:
     return PARTS[0] if matmul else PARTS[4]
@@ -98,7 +109,8 @@ def part_of(hlo_line):
 
 
 def op_profile(contender, params, batches, steps):
-  """Seconds per `PARTS` entry over ``steps`` profiled steps of ``contender``."""
+  """Seconds per HLO op over ``steps`` profiled steps of ``contender`` (on an
+  accelerator: its kernels' time on the device)."""
   state = contender.start(params)
   state, _, _ = harness.timed_step(contender, state, 0, batches)  # compiled
   directory = tempfile.mkdtemp(prefix="kfac_profile_")
@@ -107,7 +119,10 @@ def op_profile(contender, params, batches, steps):
       state, _, _ = harness.timed_step(contender, state, i, batches)
   path, = glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
   durations = collections.Counter()
+  on_device = jax.default_backend() != "cpu"
   for plane in jax.profiler.ProfileData.from_file(path).planes:
+    if on_device and not plane.name.startswith("/device:"):
+      continue
     for line in plane.lines:
       for event in line.events:
         stats = dict(event.stats)
@@ -162,26 +177,31 @@ def profile(workload, settings, inverse_period, steps, profile_steps):
       top_ops=top_ops)
 
 
-def markdown_section(results, command, date):
-  lines = ["## Where kfac_optax's step time goes", "",
+def markdown_section(results, command, date, device=None):
+  """The RESULTS.md section; ``device``: the accelerator's name, None on CPU."""
+  where, unit, note, ms = (
+      (f" on GPU ({device})", "GPU ms/step", "kernel time on the device", ".2f")
+      if device else ("", "CPU ms/step", "op time summed over threads; "
+                      "convolutions run outside the profiled events and are missing",
+                      ".1f"))
+  lines = [f"## Where kfac_optax's step time goes{where}", "",
            f"- **Command:** `{command}` ({date}); method: see the docstring of "
            "`benchmarks/step_profile.py`. One OpenBLAS thread.", ""]
   for name, r in results.items():
     step = r["median_ms"][list(r["median_ms"])[2]]
     total = sum(r["op_ms_per_step"].values())
     lines += [f"### {name}", "", "| variant | median ms/step |", "|---|---:|"]
-    lines += [f"| {k} | {v:.1f} |" for k, v in r["median_ms"].items()]
+    lines += [f"| {k} | {v:{ms}} |" for k, v in r["median_ms"].items()]
     lines += ["", "| part (from the differences) | ms/step |", "|---|---:|"]
-    lines += [f"| {k} | {v:.1f} |" for k, v in r["differences_ms"].items()]
+    lines += [f"| {k} | {v:{ms}} |" for k, v in r["differences_ms"].items()]
     lines += ["", f"XLA op profile of the statistics-every-step variant "
-              f"(median step {step:.1f} ms; op time summed over threads; "
-              "convolutions run outside the profiled events and are missing):", "",
-              "| part | CPU ms/step | share |", "|---|---:|---:|"]
-    lines += [f"| {k} | {v:.1f} | {v / total:.0%} |"
+              f"(median step {step:{ms}} ms; {note}; {total:{ms}} ms in all):", "",
+              f"| part | {unit} | share |", "|---|---:|---:|"]
+    lines += [f"| {k} | {v:{ms}} | {v / total:.0%} |"
               for k, v in r["op_ms_per_step"].items()]
     lines += ["", f"The {TOP_OPS} most expensive ops:", "",
-              "| HLO op | CPU ms/step | part | JAX op name |", "|---|---:|---|---|"]
-    lines += [f"| `{o['op']}` | {o['ms']:.1f} | {o['part']} | "
+              f"| HLO op | {unit} | part | JAX op name |", "|---|---:|---|---|"]
+    lines += [f"| `{o['op']}` | {o['ms']:{ms}} | {o['part']} | "
               f"`{o['op_name'] or '(none)'}` |"
               for o in r["top_ops"]]
     lines.append("")
@@ -213,11 +233,15 @@ def main(argv=None):
     for k, v in {**r["median_ms"], **r["differences_ms"], **r["op_ms_per_step"]}.items():
       print(f"  {k:<52} {v:8.1f} ms")
   if args.markdown:
-    command = "python benchmarks/step_profile.py"
+    flags = os.environ.get("XLA_FLAGS")
+    command = (f"XLA_FLAGS={flags} " if flags else "") + "python benchmarks/step_profile.py"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    harness.write_json(os.path.join(harness.RESULTS_DIR, f"{NAME}.json"),
-                       dict(command=command, date=date, results=results))
-    harness.update_markdown(args.markdown, NAME, markdown_section(results, command, date))
+    device, name = harness.accelerator(), NAME + harness.backend_suffix()
+    harness.write_json(os.path.join(harness.RESULTS_DIR, f"{name}.json"),
+                       dict(command=command, date=date, device=device, results=results))
+    harness.update_markdown(args.markdown, name,
+                            markdown_section(results, command, date, device),
+                            f"benchmarks/{NAME}.py")
   return results
 
 

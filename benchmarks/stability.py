@@ -1,0 +1,308 @@
+"""Stability suite (issue 11): does K-FAC train eight small models untuned?
+
+Every model of `stability_problems` is trained for a few hundred steps with
+each configuration of `CONFIGS` (keywords passed straight to
+``kfac_optax.kfac``) and with Adam at each of `ADAM_LRS`. The best Adam (by
+final smoothed loss) sets the target. Per model and configuration the results
+give the final smoothed loss, whether and where the loss first went
+non-finite, the steps and seconds to the best Adam's final loss, the mean
+ms/step, and the extremes of ``kfac_optax.stats`` over the run (learning
+rate, momentum, damping, ρ: what the automatic mode chose).
+
+Fairness as in `harness`: one set of initial params per model, the same
+batches and per-step keys for every contender, compilation in a discarded
+one-step warm-up, steps interleaved round-robin and each timed to
+``block_until_ready``, one OpenBLAS thread. A contender stops at its first
+non-finite loss.
+
+From the repository root::
+
+  python benchmarks/stability.py                  # full suite (~12 min on 2 cores)
+  python benchmarks/stability.py --quick          # smoke test (~1 min)
+  python benchmarks/stability.py --models self_attention --configs kfac_auto --steps 100
+
+A full run (all models, default steps) writes ``benchmarks/results/stability.json``
+and ``benchmarks/STABILITY.md``; other runs only print their table unless
+``--out-dir``/``--markdown`` are given.
+"""
+
+import argparse
+import datetime
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import kfac_optax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import harness  # pylint: disable=wrong-import-position
+from benchmarks import stability_problems  # pylint: disable=wrong-import-position
+
+LR = 0.01
+CONFIGS = {
+    # (a) the defaults, with only a learning rate given.
+    "kfac_default": dict(learning_rate=LR),
+    # (b) the automatic mode (to become `kfac(apply_fn, loss, example_batch=...)`).
+    "kfac_auto": dict(learning_rate=None, momentum=None, adaptive_damping=True),
+}
+ADAM_LRS = (1e-3, 3e-3, 1e-2)
+QUICK_ADAM_LR = 3e-3
+STEPS, QUICK_STEPS = 300, 10
+TRACKED_STATS = ("learning_rate", "momentum", "damping", "rho")
+STABILITY_MD = os.path.join(harness.REPO_ROOT, "benchmarks", "STABILITY.md")
+
+
+def kfac_contender(problem, name, settings, extremes):
+  """A kfac_optax contender that also keeps the min/max of its `stats`.
+
+  The extremes are not donated with the training state, so the latest ones
+  stay readable in ``extremes[name]`` (``{stat: (min, max)}``) after the run.
+  """
+  tx = problem.kfac(**settings)
+  train_step = problem.train_step(tx)
+
+  @jax.jit
+  def track(extremes, opt_state):
+    now = kfac_optax.stats(opt_state)
+    return {k: (jnp.fmin(low, now[k]), jnp.fmax(high, now[k]))
+            for k, (low, high) in extremes.items()}
+
+  def start(params):
+    unset = (jnp.float32(jnp.inf), jnp.float32(-jnp.inf))
+    return problem.init_state(tx, params), {k: unset for k in TRACKED_STATS}
+
+  def step(carry, batch, rng, i):
+    del i
+    state, loss = train_step(carry[0], batch, rng)
+    extremes[name] = track(carry[1], state.opt_state)
+    return (state, extremes[name]), loss
+
+  return harness.Contender(name, "kfac_optax", settings, start, step)
+
+
+def adam_contender(problem, lr):
+  tx = optax.adam(lr)
+  train_step = problem.train_step(tx)
+  return harness.Contender(
+      f"adam lr={lr:g}", "adam", dict(learning_rate=lr),
+      lambda params: problem.init_state(tx, params),
+      lambda state, batch, rng, i: train_step(state, batch, rng))
+
+
+def run_model(problem, configs, adam_lrs, steps, seed, log_every, load):
+  """Races every contender on ``problem``; returns its results entry."""
+  extremes = {}
+  contenders = ([kfac_contender(problem, n, s, extremes)
+                 for n, s in configs.items()]
+                + [adam_contender(problem, lr) for lr in adam_lrs])
+  batches = harness.Batches(problem, steps, seed)
+  compile_s, failed = harness.warm_up(contenders, problem.params, batches, 1)
+  contenders = [c for c in contenders if c.name not in failed]
+  record = harness.race(contenders, problem.params, batches, steps, log_every,
+                        load)
+  rows = {}
+  for c in contenders:
+    losses, step_s = record[c.name]["loss"], record[c.name]["step_s"]
+    finite = np.isfinite(losses)
+    rows[c.name] = dict(
+        family=c.family, settings=c.settings, steps=len(losses),
+        final_loss=float(harness.trailing_mean(losses)[-1]),
+        diverged=not finite.all(),
+        first_nonfinite_step=None if finite.all() else int(np.argmin(finite)) + 1,
+        mean_ms=1e3 * float(np.mean(step_s)), compile_s=compile_s[c.name],
+        losses=losses, step_s=step_s)
+    if c.family == "kfac_optax":
+      rows[c.name]["stats"] = {
+          k: dict(min=float(low), max=float(high))
+          for k, (low, high) in jax.device_get(extremes[c.name]).items()}
+  adams = {n: r["final_loss"] for n, r in rows.items()
+           if r["family"] == "adam" and math.isfinite(r["final_loss"])}
+  best_adam = min(adams, key=adams.get) if adams else None
+  for row in rows.values():
+    steps_to, seconds_to = (None, None) if best_adam is None else harness.first_reach(
+        harness.trailing_mean(row["losses"]), row["step_s"], adams[best_adam])
+    row.update(steps_to_adam=steps_to, seconds_to_adam=seconds_to,
+               vs_adam=harness.ratio(row["final_loss"], adams.get(best_adam)))
+  return dict(description=problem.description, batch_size=problem.batch_size,
+              num_examples=problem.num_examples,
+              num_params=sum(p.size for p in jax.tree.leaves(problem.params)),
+              best_adam=best_adam, failed=failed, rows=rows)
+
+
+# --------------------------------------------------------------------------
+# Report
+
+
+def _range(extremes, spec=".3g"):
+  low, high = extremes["min"], extremes["max"]
+  if not (math.isfinite(low) and math.isfinite(high)):
+    return "—"
+  return format(low, spec) if low == high else f"{low:{spec}} … {high:{spec}}"
+
+
+def markdown(payload):
+  """STABILITY.md: the command, the machine, the results and the stats tables."""
+  env, load, config = payload["environment"], payload["load_average"], payload["config"]
+  fmt = harness.fmt
+  lines = [
+      "# Stability suite (issue 11)", "",
+      "Written by `benchmarks/stability.py` (see its docstring for the protocol).",
+      "",
+      f"- **Command:** `{payload['command']}` ({payload['date']}, "
+      f"{payload['wall_s'] / 60:.1f} min)",
+      f"- **Machine:** {env['cpu']}, {env['cores']} cores, {env['memory']}; "
+      f"load average during the run {load['min']:.1f}-{load['max']:.1f} "
+      f"(median {load['median']:.1f}); BLAS: {', '.join(env['blas'])}",
+      "- **Versions:** " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
+      f"- **Run:** {config['steps']} steps per contender, seed {config['seed']}; "
+      "every contender of a model starts from the same params and sees the "
+      "same batches and keys.",
+      "- **Configurations** (keywords of `kfac_optax.kfac`, others at their "
+      "defaults): " + "; ".join(
+          f"`{name}`: " + (", ".join(f"{k}={v}" for k, v in settings.items()) or "none")
+          for name, settings in config["configs"].items())
+      + f"; Adam: best of lr {', '.join(f'{lr:g}' for lr in config['adam_lrs'])} "
+      "by final smoothed loss.",
+      f"- **Columns:** final loss = mean of the last {harness.WINDOW} mini-batch "
+      "training losses; diverged = first step with a non-finite loss (the "
+      "contender stops there); steps / s to Adam = until the trailing mean "
+      "first reaches the best Adam's final loss (compilation excluded); "
+      "mean ms/step includes K-FAC's inverse refreshes.",
+      "",
+      "| model | contender | final loss | / best Adam | diverged at step | "
+      "steps to Adam | s to Adam | mean ms/step |",
+      "|---|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  for model, result in payload["models"].items():
+    shown = [n for n, r in result["rows"].items() if r["family"] == "kfac_optax"]
+    shown += [result["best_adam"]] if result["best_adam"] else []
+    for name in shown:
+      row = result["rows"][name]
+      label = f"{name} (best)" if name == result["best_adam"] else name
+      lines.append("| " + " | ".join([
+          model, label, fmt(row["final_loss"], ".4g"), fmt(row["vs_adam"], ".3g"),
+          fmt(row["first_nonfinite_step"], "d"), fmt(row["steps_to_adam"], "d"),
+          fmt(row["seconds_to_adam"]), fmt(row["mean_ms"])]) + " |")
+    lines += [f"| {model} | {name} | failed: `{error}` | | | | | |"
+              for name, error in result["failed"].items()]
+  lines += ["", "## kfac_optax.stats over the run (min … max)", "",
+            "Contenders whose coefficients moved; the learning rate is the "
+            "step's `-α`, ρ the last measured reduction ratio.", "",
+            "| model | contender | learning rate | momentum | damping | ρ |",
+            "|---|---|---:|---:|---:|---:|"]
+  for model, result in payload["models"].items():
+    for name, row in result["rows"].items():
+      stats = row.get("stats", {})
+      if any(s["min"] < s["max"] for s in stats.values()):
+        lines.append(f"| {model} | {name} | " + " | ".join(
+            _range(stats[k]) for k in TRACKED_STATS) + " |")
+  lines += ["", "## Models", ""]
+  lines += [f"- **{model}:** {r['description']} {r['num_params']} params, "
+            f"batch {r['batch_size']}. Adam finals: " + ", ".join(
+                f"{n.split('=')[1]}: {fmt(row['final_loss'], '.4g')}"
+                for n, row in r["rows"].items() if row["family"] == "adam") + "."
+            for model, r in payload["models"].items()]
+  lines += ["", "Raw data (losses, step times, stats): "
+            "`benchmarks/results/stability.json`."]
+  return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------
+# Entry point
+
+
+def _names(choices):
+  """A comma-separated list of names out of ``choices``."""
+  def parse(text):
+    names = [n for n in text.split(",") if n]
+    unknown = sorted(set(names) - set(choices))
+    if unknown:
+      raise argparse.ArgumentTypeError(
+          f"unknown {', '.join(unknown)}; choose from {', '.join(choices)}")
+    return names
+  return parse
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--quick", action="store_true",
+                      help=f"smoke test: {QUICK_STEPS} steps, a few hundred "
+                      f"examples, Adam at lr {QUICK_ADAM_LR:g} only")
+  parser.add_argument("--models", type=_names(list(stability_problems.PROBLEMS)),
+                      default=list(stability_problems.PROBLEMS),
+                      help="comma-separated subset of the models")
+  parser.add_argument("--configs", type=_names([*CONFIGS, "adam"]),
+                      default=[*CONFIGS, "adam"],
+                      help="comma-separated subset of the contenders "
+                      f"({', '.join(CONFIGS)}, adam)")
+  parser.add_argument("--steps", type=int, help=f"steps per contender "
+                      f"(default {STEPS}, {QUICK_STEPS} with --quick)")
+  parser.add_argument("--adam-lrs", type=lambda s: [float(v) for v in s.split(",")])
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--log-every", type=int, default=50)
+  parser.add_argument("--out-dir", help="where stability.json goes (default: "
+                      "benchmarks/results for a full run, nowhere otherwise)")
+  parser.add_argument("--markdown", help="the Markdown table's file (default: "
+                      "benchmarks/STABILITY.md for a full run, none otherwise)")
+  args = parser.parse_args(argv)
+  args.steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
+  if args.adam_lrs is None:
+    args.adam_lrs = [QUICK_ADAM_LR] if args.quick else list(ADAM_LRS)
+  if "adam" not in args.configs:
+    args.adam_lrs = []
+  full = (not args.quick and len(args.models) == len(stability_problems.PROBLEMS)
+          and len(args.configs) == len(CONFIGS) + 1)
+  if full:
+    args.out_dir = args.out_dir or harness.RESULTS_DIR
+    args.markdown = args.markdown or STABILITY_MD
+  return args
+
+
+def main(argv=None):
+  """Runs the suite; returns the results (the JSON payload).
+
+  Args:
+    argv: command-line arguments (default ``sys.argv[1:]``).
+  """
+  started = time.perf_counter()
+  args = parse_args(argv)
+  command = " ".join(["python", "benchmarks/stability.py",
+                      *(sys.argv[1:] if argv is None else argv)])
+  configs = {name: CONFIGS[name] for name in args.configs if name in CONFIGS}
+  load = harness.LoadSampler()
+  results = {}
+  with harness.single_threaded_lapack():
+    env = harness.environment()
+    for name in args.models:
+      problem = stability_problems.make_problem(name, quick=args.quick,
+                                                seed=args.seed)
+      print(f"{name}: {problem.description}", flush=True)
+      results[name] = run_model(problem, configs, args.adam_lrs, args.steps,
+                                args.seed, 0 if args.quick else args.log_every,
+                                load)
+  payload = dict(
+      command=command, date=datetime.datetime.now(datetime.timezone.utc).strftime(
+          "%Y-%m-%d %H:%M UTC"),
+      environment=env, load_average=load.summary(),
+      config=dict(steps=args.steps, seed=args.seed, quick=args.quick,
+                  configs=configs, adam_lrs=args.adam_lrs, window=harness.WINDOW),
+      models=results, wall_s=time.perf_counter() - started)
+  if args.out_dir:
+    harness.write_json(os.path.join(args.out_dir, "stability.json"), payload)
+  text = markdown(payload)
+  if args.markdown:
+    with open(args.markdown, "w", encoding="utf-8") as f:
+      f.write(text)
+  print("\n" + text)
+  print(f"done in {payload['wall_s']:.0f} s", flush=True)
+  return payload
+
+
+if __name__ == "__main__":
+  main()
