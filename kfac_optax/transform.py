@@ -22,8 +22,12 @@ from kfac_optax.curvature import Curvature
 from kfac_optax.curvature import ScaleByKFACState
 
 _NAN = float("nan")
-# momentum="auto" with a given learning rate.
+# Chosen from the stability suite (benchmarks/STABILITY.md): with a given
+# learning rate, "auto" means momentum 0.9 and a norm constraint (KL clipping)
+# of 1e-3, which kept every suite model finite at learning rates 0.01-0.1.
 FIXED_MOMENTUM = 0.9
+FIXED_NORM_CONSTRAINT = 1e-3
+DEFAULT_DAMPING = 1e-2
 
 
 def _value_at(hyperparameter: Any, count: jax.Array) -> jax.Array:
@@ -83,7 +87,7 @@ def scale_by_kfac(
     *,
     example_batch: Any,
     inputs: Callable[[Any], Any] | None = None,
-    damping: optax.ScalarOrSchedule = 1e-3,
+    damping: optax.ScalarOrSchedule = DEFAULT_DAMPING,
     ema_decay: float = 0.95,
     inverse_update_period: int = 5,
     stats_update_period: int = 1,
@@ -260,7 +264,7 @@ def kfac(
     learning_rate: optax.ScalarOrSchedule | None = None,
     momentum: optax.ScalarOrSchedule | str | None = "auto",
     inputs: Callable[[Any], Any] | None = None,
-    damping: optax.ScalarOrSchedule = 1e-3,
+    damping: optax.ScalarOrSchedule = DEFAULT_DAMPING,
     ema_decay: float = 0.95,
     inverse_update_period: int = 5,
     stats_update_period: int = 1,
@@ -270,7 +274,7 @@ def kfac(
     apply_kwargs: dict[str, Any] | None = None,
     layer_overrides: dict[str, str] | None = None,
     mesh: jax.sharding.Mesh | None = None,
-    norm_constraint: float | None = None,
+    norm_constraint: float | str | None = "auto",
     adaptive_damping: bool | None = None,
     damping_adaptation_interval: int = 5,
     damping_adaptation_decay: float = 0.95,
@@ -294,8 +298,10 @@ def kfac(
     fall back to α alone; a step the model does not predict to lower the
     loss is not taken.
   - **Fixed** ``learning_rate`` (a float or a schedule): ``α = -lr``, and
-    ``momentum="auto"`` means μ = 0.9; with ``norm_constraint=c``, α is
-    scaled down so that ``α² vᵀ F̂ v = α² vᵀ g ≤ c`` (Ba et al. 2017).
+    ``momentum="auto"`` means μ = 0.9; with ``norm_constraint=c`` (``"auto"``:
+    1e-3), α is scaled down so that ``α² vᵀ F̂ v = α² vᵀ g ≤ c`` (Ba et al.
+    2017). Recommended: ``learning_rate=0.03`` (0.01-0.1 all trained the
+    stability suite), damping 1e-2.
     ``learning_rate=None`` with a given ``momentum``, or a given
     ``learning_rate`` with ``momentum=None``, solves for the free one only.
 
@@ -327,7 +333,8 @@ def kfac(
     estimation, inverse, num_samples, apply_kwargs, layer_overrides, mesh:
       see `scale_by_kfac`. With ``adaptive_damping``, ``damping`` is the
       initial λ.
-    norm_constraint: c, or None; needs a fixed or scheduled learning rate.
+    norm_constraint: c, None, or ``"auto"``: 1e-3 with a given learning
+      rate, None without (the quadratic model already sizes the step).
     adaptive_damping: adapt λ by the Levenberg-Marquardt rule; None: when
       ``learning_rate`` is None.
     damping_adaptation_interval: steps between adaptations.
@@ -357,11 +364,14 @@ def kfac(
     Second-Order Optimization using Kronecker-Factored Approximations",
     ICLR 2017.
   """
-  if isinstance(momentum, str):
-    if momentum != "auto":
-      raise ValueError(f'momentum must be a number, a schedule, None or "auto", '
-                       f"got {momentum!r}")
-    momentum = None if learning_rate is None else FIXED_MOMENTUM
+  for name, value in (("momentum", momentum), ("norm_constraint", norm_constraint)):
+    if isinstance(value, str) and value != "auto":
+      raise ValueError(f'{name} must be a number, None or "auto", got {value!r}')
+  fixed = learning_rate is not None
+  if momentum == "auto":
+    momentum = FIXED_MOMENTUM if fixed else None
+  if norm_constraint == "auto":
+    norm_constraint = FIXED_NORM_CONSTRAINT if fixed else None
   if adaptive_damping is None:
     adaptive_damping = learning_rate is None
   _check_kfac_settings(locals())

@@ -49,9 +49,6 @@ def test_results_hold_every_model_and_contender(quick_run):
              for model in stability_problems.PROBLEMS)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11: kfac_default (lr 0.01, "
-                   "damping 1e-3) goes non-finite on self_attention by step 7; "
-                   "remove this mark once the defaults train every model")
 def test_kfac_losses_are_finite(quick_run):
   results, _ = quick_run
   for model, result in results["models"].items():
