@@ -135,7 +135,7 @@ def test_norm_constraint_bounds_the_update_fisher_norm():
   tx = kfac_optax.kfac(bf.TinyMLP().apply, LOSS, learning_rate=lr, momentum=0.0,
                        norm_constraint=bound, **SETTINGS)
   unconstrained = kfac_optax.kfac(bf.TinyMLP().apply, LOSS, learning_rate=lr,
-                                  momentum=0.0, **SETTINGS)
+                                  momentum=0.0, norm_constraint=None, **SETTINGS)
   (update,), (state,) = run(tx, BATCHES[:1])
   (free,), _ = run(unconstrained, BATCHES[:1])
   # δ = -lr·s·v with v = F̂_λ⁻¹ g, so δᵀ F̂_λ δ = lr² s² vᵀg must equal the bound.
@@ -226,7 +226,7 @@ def test_levenberg_marquardt_rule(rho, factor):
 def adaptive_run(lr, batches=BATCHES):
   """`run` of kfac with a fixed lr, λ adapted every 2 steps (ω = 0.9²) from 0.1."""
   return run(kfac_optax.kfac(bf.TinyMLP().apply, LOSS, learning_rate=lr, momentum=0.0,
-                             adaptive_damping=True, damping_adaptation_interval=2,
+                             norm_constraint=None, adaptive_damping=True, damping_adaptation_interval=2,
                              damping_adaptation_decay=0.9,
                              **{**SETTINGS, "damping": 0.1}), batches)
 
@@ -344,7 +344,7 @@ def test_l2_reg_is_added_to_the_damping():
 
 def test_stats_of_kfac_train_state_and_of_a_chain():
   tx = kfac_optax.kfac(bf.TinyMLP().apply, LOSS, learning_rate=0.1, momentum=0.9,
-                       **SETTINGS)
+                       norm_constraint=None, **SETTINGS)
   train_state = kfac_optax.TrainState.create(apply_fn=bf.TinyMLP().apply, params=PARAMS,
                                              tx=tx)
   train_state = jax.jit(lambda s: s.apply_gradients(
@@ -399,3 +399,20 @@ def test_bad_combinations_are_rejected():
   with pytest.raises(ValueError, match="schedule"):
     kfac_optax.kfac(bf.TinyMLP().apply, LOSS, learning_rate=0.1, adaptive_damping=True,
                     **{**SETTINGS, "damping": lambda t: 0.1})
+
+
+# --------------------------------------------------------------------------
+# The two models of issue 11 whose automatic mode diverged (NaN by step 12
+# and by step 7, momentum -17.7 and -3e8) before the safeguards.
+
+
+@pytest.mark.parametrize("name", ["cnn_bn_dropout", "self_attention"])
+def test_automatic_mode_trains_the_formerly_divergent_models(name):
+  from benchmarks import stability_problems  # pylint: disable=import-outside-toplevel
+  problem = stability_problems.make_problem(name)
+  state, losses = stability_problems.train(problem, problem.kfac(), 300)
+  assert np.all(np.isfinite(losses))
+  assert np.mean(losses[-20:]) < 0.2 * np.mean(losses[:5])
+  stats = kfac_optax.stats(state.opt_state)
+  lo, hi = adaptive.MOMENTUM_RANGE
+  assert lo <= float(stats["momentum"]) <= hi

@@ -33,8 +33,9 @@ def scale_by_kfac(**kwargs):
 
 
 def kfac(**kwargs):
+  """kfac without its default norm constraint: updates follow lr and momentum."""
   return kfac_optax.kfac(
-      APPLY, LOSS, example_batch=BATCH, **{**SETTINGS, **kwargs})
+      APPLY, LOSS, example_batch=BATCH, **{**SETTINGS, "norm_constraint": None, **kwargs})
 
 
 def loss_value(params, batch):
@@ -215,7 +216,7 @@ def test_kfac_can_be_wrapped_by_inject_hyperparams():
   tx = optax.inject_hyperparams(
       kfac_optax.kfac, static_args=("apply_fn", "num_samples"))(
           APPLY, LOSS, example_batch=BATCH, learning_rate=0.1, momentum=0.0,
-          estimation="empirical", **SETTINGS)
+          norm_constraint=None, estimation="empirical", **SETTINGS)
   reference = scale_by_kfac(estimation="empirical")
   step = make_step(tx, reference)
   state, ref_state = tx.init(PARAMS), reference.init(PARAMS)
@@ -261,8 +262,8 @@ def test_train_state_overwrite_with_gradient():
   model = ScaledMLP()
   variables = model.init(jax.random.key(7), BATCH[0])
   assert set(variables) == {"params", OVERWRITE_WITH_GRADIENT}
-  tx = kfac_optax.kfac(model.apply, LOSS, example_batch=BATCH,
-                       learning_rate=0.1, estimation="empirical", **SETTINGS)
+  tx = kfac_optax.kfac(model.apply, LOSS, example_batch=BATCH, learning_rate=0.1,
+                       norm_constraint=None, estimation="empirical", **SETTINGS)
   state = kfac_optax.TrainState.create(
       apply_fn=model.apply, params=variables, tx=tx)
   # Only params["params"] gets optimizer state: three Kronecker blocks and

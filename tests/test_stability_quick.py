@@ -39,7 +39,8 @@ def test_results_hold_every_model_and_contender(quick_run):
     for name in stability.CONFIGS:
       stats = result["rows"][name]["stats"]
       assert set(stats) == set(stability.TRACKED_STATS), (model, name)
-      assert 0 < stats["damping"]["min"] <= stats["damping"]["max"], (model, name)
+      assert 0 < stats["requested_damping"]["min"] <= stats["requested_damping"]["max"], (
+          model, name)
 
   saved = json.loads((out / "stability.json").read_text())
   assert set(saved["models"]) == set(stability_problems.PROBLEMS)
