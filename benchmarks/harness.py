@@ -260,7 +260,8 @@ def make_contenders(workload, args, kfac_jax):
   kfac = dict(learning_rate=args.kfac_lr, damping=args.kfac_damping,
               momentum=args.kfac_momentum, ema_decay=0.95,
               inverse_update_period=args.inverse_period, estimation="fisher",
-              inverse=args.kfac_inverse)
+              inverse=args.kfac_inverse,
+              norm_constraint=None)  # matched with kfac-jax: no KL clipping
   contenders = [optax_contender(
       "kfac_optax", "kfac_optax", kfac_optax_tx(workload, example_batch, **kfac),
       kfac, workload, step)]
