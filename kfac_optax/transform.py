@@ -24,7 +24,7 @@ from kfac_optax.curvature import ScaleByKFACState
 _NAN = float("nan")
 # Chosen from the stability suite (benchmarks/STABILITY.md): with a given
 # learning rate, "auto" means momentum 0.9 and a norm constraint (KL clipping)
-# of 1e-3, which kept every suite model finite at learning rates 0.01-0.1.
+# of 1e-3, which kept every suite model finite at learning rates 0.03 and 0.1.
 FIXED_MOMENTUM = 0.9
 FIXED_NORM_CONSTRAINT = 1e-3
 DEFAULT_DAMPING = 1e-2
@@ -300,8 +300,8 @@ def kfac(
   - **Fixed** ``learning_rate`` (a float or a schedule): ``α = -lr``, and
     ``momentum="auto"`` means μ = 0.9; with ``norm_constraint=c`` (``"auto"``:
     1e-3), α is scaled down so that ``α² vᵀ F̂ v = α² vᵀ g ≤ c`` (Ba et al.
-    2017). Recommended: ``learning_rate=0.03`` (0.01-0.1 all trained the
-    stability suite), damping 1e-2.
+    2017). Recommended: ``learning_rate=0.03`` with damping 1e-2 (the
+    stability suite's settings, benchmarks/STABILITY.md).
     ``learning_rate=None`` with a given ``momentum``, or a given
     ``learning_rate`` with ``momentum=None``, solves for the free one only.
 
