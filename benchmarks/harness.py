@@ -228,27 +228,49 @@ def import_kfac_jax(mode: str = "auto"):
   return None, reason
 
 
-def kfac_jax_contender(name, kfac_jax, workload, example_batch, seed, *,
-                       settings, optimizer_kwargs, step_kwargs, max_steps=None):
-  """A contender that trains with ``kfac_jax.Optimizer`` (no burn-in, no L2)."""
+def kfac_jax_loss(workload: Workload, kfac_jax):
+  """``workload``'s ``(params, batch) -> loss`` with its loss registered in kfac-jax."""
   def loss_fn(params, batch):
     outputs = workload.model.apply({"params": params}, workload.inputs(batch))
     workload.register_kfac_jax_loss(kfac_jax, outputs, batch)
     return workload.loss.value(outputs, batch)
+  return loss_fn
 
+
+def kfac_jax_contender(name, kfac_jax, loss_fn, example_batch, seed, *,
+                       settings, optimizer_kwargs, step_kwargs, max_steps=None,
+                       func_state=None):
+  """A contender that trains with ``kfac_jax.Optimizer`` (no burn-in, no L2).
+
+  Args:
+    loss_fn: the training loss, its loss registered in kfac-jax:
+      ``(params, batch) -> loss``, or for models with other collections or
+      dropout (``func_state`` given) ``(params, func_state, rng, batch) ->
+      (loss, func_state)``, kfac-jax's interface for state and randomness.
+    func_state: the initial other collections (e.g. ``{"batch_stats": ...}``;
+      ``{}`` for dropout alone), or None.
+
+  The contender's state is ``(params, opt_state)``, then ``func_state``.
+  """
+  stateful = func_state is not None
   optimizer = kfac_jax.Optimizer(
-      value_and_grad_func=jax.value_and_grad(loss_fn), l2_reg=0.0,
+      value_and_grad_func=jax.value_and_grad(loss_fn, has_aux=stateful),
+      l2_reg=0.0, value_func_has_state=stateful, value_func_has_rng=stateful,
       num_burnin_steps=0, multi_device=False, **optimizer_kwargs)
   step_kwargs = {k: jnp.asarray(v, jnp.float32) for k, v in step_kwargs.items()}
 
   def start(params):
     params = fresh_copy(params)  # kfac-jax donates them
-    return params, optimizer.init(params, jax.random.key(seed), example_batch)
+    state = fresh_copy(func_state) if stateful else None
+    opt_state = optimizer.init(params, jax.random.key(seed), example_batch, state)
+    return (params, opt_state) + ((state,) if stateful else ())
 
   def step(state, batch, rng, i):
-    params, opt_state, stats = optimizer.step(
-        *state, rng, batch=batch, global_step_int=i, **step_kwargs)
-    return (params, opt_state), stats["loss"]
+    *state, stats = optimizer.step(
+        state[0], state[1], rng, batch=batch,
+        func_state=state[2] if stateful else None, global_step_int=i,
+        **step_kwargs)
+    return tuple(state), stats["loss"]
 
   return Contender(name, "kfac_jax", settings, start, step, max_steps)
 
@@ -280,17 +302,18 @@ def make_contenders(workload, args, kfac_jax):
                                  dict(learning_rate=lr), workload, step)
                  for lr in args.adam_lrs]
   if kfac_jax is not None:
+    loss_fn = kfac_jax_loss(workload, kfac_jax)
     matched = dict(curvature_ema=kfac["ema_decay"],
                    inverse_update_period=kfac["inverse_update_period"],
                    estimation_mode=_KFAC_JAX_ESTIMATION[kfac["estimation"]])
     fixed = dict(learning_rate=kfac["learning_rate"],
                  momentum=kfac["momentum"], damping=kfac["damping"])
     contenders.append(kfac_jax_contender(
-        KFAC_JAX_MATCHED, kfac_jax, workload, example_batch, args.seed,
+        KFAC_JAX_MATCHED, kfac_jax, loss_fn, example_batch, args.seed,
         settings={**fixed, **matched}, optimizer_kwargs=matched,
         step_kwargs=fixed, max_steps=args.kfac_jax_steps))
     contenders.append(kfac_jax_contender(
-        "kfac-jax (adaptive)", kfac_jax, workload, example_batch, args.seed,
+        "kfac-jax (adaptive)", kfac_jax, loss_fn, example_batch, args.seed,
         settings=KFAC_JAX_ADAPTIVE, optimizer_kwargs=KFAC_JAX_ADAPTIVE,
         step_kwargs={}, max_steps=args.kfac_jax_steps))
   return contenders

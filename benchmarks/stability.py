@@ -11,8 +11,8 @@ rate, momentum, damping, ρ: what the automatic mode chose).
 
 Fairness as in `harness`: one set of initial params per model, the same
 batches and per-step keys for every contender, compilation in a discarded
-one-step warm-up, steps interleaved round-robin and each timed to
-``block_until_ready``, one OpenBLAS thread. A contender stops at its first
+one-step warm-up (six steps when kfac-jax races), steps interleaved
+round-robin and each timed to ``block_until_ready``, one OpenBLAS thread. A contender stops at its first
 non-finite loss.
 
 From the repository root::
@@ -24,6 +24,19 @@ From the repository root::
 A full run (all models, default steps) writes ``benchmarks/results/stability.json``
 and ``benchmarks/STABILITY.md``; other runs only print their table unless
 ``--out-dir``/``--markdown`` are given.
+
+Against kfac-jax (optional: needs ``pip install kfac-jax==0.0.8``; without it
+the contender is skipped with a note): the contender ``kfac_jax_auto`` is
+kfac-jax's automatic mode as its README's quick start sets it up
+(`KFAC_JAX_AUTO`), on the same params, batches and per-step keys. The
+comparison run::
+
+  python benchmarks/stability.py --configs kfac_auto,kfac_jax_auto,adam
+
+over all models writes ``benchmarks/results/stability_kfac_jax.json`` and the
+section "Against kfac-jax's automatic mode" of STABILITY.md (each run leaves
+the other's section in place). Models kfac-jax cannot run are listed with
+its error.
 """
 
 import argparse
@@ -51,11 +64,21 @@ CONFIGS = {
     # (b) the automatic mode: nothing given.
     "kfac_auto": dict(),
 }
+# kfac-jax's automatic mode as in its README's quick start: adaptive learning
+# rate, momentum and damping from initial damping 1, everything else at
+# kfac_jax.Optimizer's defaults (damping in [1e-8, inf), adapted every 5
+# steps by factors of 0.9; curvature EMA 0.95, inverses every 5 steps, its
+# default estimator). No L2 term and no burn-in, like every contender here.
+KFAC_JAX = "kfac_jax_auto"
+KFAC_JAX_AUTO = dict(use_adaptive_learning_rate=True, use_adaptive_momentum=True,
+                     use_adaptive_damping=True, initial_damping=1.0)
+COMPARISON = ("kfac_auto", KFAC_JAX, "adam")
 ADAM_LRS = (1e-3, 3e-3, 1e-2)
 QUICK_ADAM_LR = 3e-3
 STEPS, QUICK_STEPS = 300, 10
 TRACKED_STATS = ("learning_rate", "momentum", "requested_damping", "rho")
 STABILITY_MD = os.path.join(harness.REPO_ROOT, "benchmarks", "STABILITY.md")
+SCRIPT = "benchmarks/stability.py"
 
 
 def kfac_contender(problem, name, settings, extremes):
@@ -95,14 +118,35 @@ def adam_contender(problem, lr):
       lambda state, batch, rng, i: train_step(state, batch, rng))
 
 
-def run_model(problem, configs, adam_lrs, steps, seed, log_every, load):
-  """Races every contender on ``problem``; returns its results entry."""
+def kfac_jax_contender(problem, kfac_jax, seed):
+  """kfac-jax's automatic mode (`KFAC_JAX_AUTO`) on ``problem``.
+
+  The model's other collections (BatchNorm statistics) are kfac-jax's
+  function state; its dropout key is the one kfac-jax hands the loss.
+  """
+  return harness.kfac_jax_contender(
+      KFAC_JAX, kfac_jax, problem.kfac_jax_loss(kfac_jax), problem.example_batch,
+      seed, settings=KFAC_JAX_AUTO, optimizer_kwargs=KFAC_JAX_AUTO,
+      step_kwargs={}, func_state=problem.variables)
+
+
+def run_model(problem, configs, adam_lrs, steps, seed, log_every, load,
+              kfac_jax=None):
+  """Races every contender on ``problem``; returns its results entry.
+
+  ``kfac_jax``: the module, to race its automatic mode too, or None.
+  """
   extremes = {}
   contenders = ([kfac_contender(problem, n, s, extremes)
                  for n, s in configs.items()]
-                + [adam_contender(problem, lr) for lr in adam_lrs])
-  batches = harness.Batches(problem, steps, seed)
-  compile_s, failed = harness.warm_up(contenders, problem.params, batches, 1)
+                + [adam_contender(problem, lr) for lr in adam_lrs]
+                + ([kfac_jax_contender(problem, kfac_jax, seed)]
+                   if kfac_jax else []))
+  # kfac-jax compiles its damping-adaptation step on first use (step 5).
+  warm_up_steps = harness.WARMUP_STEPS if kfac_jax else 1
+  batches = harness.Batches(problem, max(steps, warm_up_steps), seed)
+  compile_s, failed = harness.warm_up(contenders, problem.params, batches,
+                                      warm_up_steps)
   contenders = [c for c in contenders if c.name not in failed]
   record = harness.race(contenders, problem.params, batches, steps, log_every,
                         load)
@@ -146,14 +190,10 @@ def _range(extremes, spec=".3g"):
   return format(low, spec) if low == high else f"{low:{spec}} … {high:{spec}}"
 
 
-def markdown(payload):
-  """STABILITY.md: the command, the machine, the results and the stats tables."""
+def _preamble(payload):
+  """The run's command, machine, versions and steps, as Markdown items."""
   env, load, config = payload["environment"], payload["load_average"], payload["config"]
-  fmt = harness.fmt
-  lines = [
-      "# Stability suite (issue 11)", "",
-      "Written by `benchmarks/stability.py` (see its docstring for the protocol).",
-      "",
+  return [
       f"- **Command:** `{payload['command']}` ({payload['date']}, "
       f"{payload['wall_s'] / 60:.1f} min)",
       f"- **Machine:** {env['cpu']}, {env['cores']} cores, {env['memory']}; "
@@ -162,7 +202,25 @@ def markdown(payload):
       "- **Versions:** " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
       f"- **Run:** {config['steps']} steps per contender, seed {config['seed']}; "
       "every contender of a model starts from the same params and sees the "
-      "same batches and keys.",
+      "same batches and keys."]
+
+
+def _first_cells(model, name, row, best_adam):
+  """Model, contender, final loss, / best Adam, diverged, steps to Adam."""
+  fmt = harness.fmt
+  return [model, f"{name} (best)" if name == best_adam else name,
+          fmt(row["final_loss"], ".4g"), fmt(row["vs_adam"], ".3g"),
+          fmt(row["first_nonfinite_step"], "d"), fmt(row["steps_to_adam"], "d")]
+
+
+def markdown(payload):
+  """STABILITY.md: the command, the machine, the results and the stats tables."""
+  config = payload["config"]
+  fmt = harness.fmt
+  lines = [
+      "# Stability suite (issue 11)", "",
+      "Written by `benchmarks/stability.py` (see its docstring for the protocol).",
+      "", *_preamble(payload),
       "- **Configurations** (keywords of `kfac_optax.kfac`, others at their "
       "defaults): " + "; ".join(
           f"`{name}`: " + (", ".join(f"{k}={v}" for k, v in settings.items()) or "none")
@@ -180,15 +238,13 @@ def markdown(payload):
       "|---|---|---:|---:|---:|---:|---:|---:|",
   ]
   for model, result in payload["models"].items():
-    shown = [n for n, r in result["rows"].items() if r["family"] == "kfac_optax"]
+    shown = [n for n, r in result["rows"].items() if r["family"] != "adam"]
     shown += [result["best_adam"]] if result["best_adam"] else []
     for name in shown:
       row = result["rows"][name]
-      label = f"{name} (best)" if name == result["best_adam"] else name
-      lines.append("| " + " | ".join([
-          model, label, fmt(row["final_loss"], ".4g"), fmt(row["vs_adam"], ".3g"),
-          fmt(row["first_nonfinite_step"], "d"), fmt(row["steps_to_adam"], "d"),
-          fmt(row["seconds_to_adam"]), fmt(row["mean_ms"])]) + " |")
+      lines.append("| " + " | ".join(
+          _first_cells(model, name, row, result["best_adam"])
+          + [fmt(row["seconds_to_adam"]), fmt(row["mean_ms"])]) + " |")
     lines += [f"| {model} | {name} | failed: `{error}` | | | | | |"
               for name, error in result["failed"].items()]
   lines += ["", "## kfac_optax.stats over the run (min … max)", "",
@@ -211,6 +267,52 @@ def markdown(payload):
   lines += ["", "Raw data (losses, step times, stats): "
             "`benchmarks/results/stability.json`."]
   return "\n".join(lines) + "\n"
+
+
+def kfac_jax_markdown(payload):
+  """STABILITY.md's section "Against kfac-jax's automatic mode"."""
+  fmt = harness.fmt
+  config, models = payload["config"], payload["models"]
+  ran = {m: r for m, r in models.items() if KFAC_JAX in r["rows"]}
+  lines = [
+      "## Against kfac-jax's automatic mode", "",
+      "Written by `benchmarks/stability.py` (protocol as above).", "",
+      *_preamble(payload),
+      "- **Contenders:** `kfac_auto`: `kfac_optax.kfac()` with nothing given; "
+      f"`{KFAC_JAX}`: `kfac_jax.Optimizer(" + ", ".join(
+          f"{k}={v}" for k, v in config["kfac_jax"].items())
+      + ")` (its README's quick start, without the L2 term; other settings at "
+      "its defaults; no burn-in); Adam: best of lr "
+      f"{', '.join(f'{lr:g}' for lr in config['adam_lrs'])} by final smoothed "
+      "loss.",
+      f"- **Columns:** final loss = mean of the last {harness.WINDOW} "
+      "mini-batch training losses at equal steps (the comparison); diverged = "
+      "first step with a non-finite loss; steps to Adam = until the trailing "
+      "mean first reaches the best Adam's final loss; mean ms/step (inverse "
+      "refreshes included, steps of all contenders interleaved, on a shared "
+      "machine) and its ratio to `kfac_auto`'s.",
+  ]
+  if payload["kfac_jax_unavailable"]:
+    lines.append(f"- **kfac-jax not run:** {payload['kfac_jax_unavailable']}")
+  lines += ["", "| model | contender | final loss | / best Adam | diverged at "
+            "step | steps to Adam | mean ms/step | ms/step / kfac_auto |",
+            "|---|---|---:|---:|---:|---:|---:|---:|"]
+  for model, result in ran.items():
+    rows = result["rows"]
+    for name in ("kfac_auto", KFAC_JAX, result["best_adam"]):
+      if name in rows:
+        lines.append("| " + " | ".join(
+            _first_cells(model, name, rows[name], result["best_adam"])
+            + [fmt(rows[name]["mean_ms"]), fmt(harness.ratio(
+                rows[name]["mean_ms"], rows.get("kfac_auto", {}).get("mean_ms")),
+                                              ".2g")]) + " |")
+  failed = {m: r["failed"][KFAC_JAX] for m, r in models.items()
+            if KFAC_JAX in r["failed"]}
+  if failed:
+    lines += ["", "kfac-jax could not run (its error at the first step):", ""]
+    lines += [f"- **{model}:** `{error}`" for model, error in failed.items()]
+  lines += ["", "Raw data: `benchmarks/results/stability_kfac_jax.json`."]
+  return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------
@@ -237,10 +339,10 @@ def parse_args(argv):
   parser.add_argument("--models", type=_names(list(stability_problems.PROBLEMS)),
                       default=list(stability_problems.PROBLEMS),
                       help="comma-separated subset of the models")
-  parser.add_argument("--configs", type=_names([*CONFIGS, "adam"]),
+  parser.add_argument("--configs", type=_names([*CONFIGS, KFAC_JAX, "adam"]),
                       default=[*CONFIGS, "adam"],
                       help="comma-separated subset of the contenders "
-                      f"({', '.join(CONFIGS)}, adam)")
+                      f"({', '.join(CONFIGS)}, adam; {KFAC_JAX} on request)")
   parser.add_argument("--steps", type=int, help=f"steps per contender "
                       f"(default {STEPS}, {QUICK_STEPS} with --quick)")
   parser.add_argument("--adam-lrs", type=lambda s: [float(v) for v in s.split(",")])
@@ -256,8 +358,9 @@ def parse_args(argv):
     args.adam_lrs = [QUICK_ADAM_LR] if args.quick else list(ADAM_LRS)
   if "adam" not in args.configs:
     args.adam_lrs = []
+  args.comparison = set(args.configs) == set(COMPARISON)
   full = (not args.quick and len(args.models) == len(stability_problems.PROBLEMS)
-          and len(args.configs) == len(CONFIGS) + 1)
+          and (args.comparison or set(args.configs) == {*CONFIGS, "adam"}))
   if full:
     args.out_dir = args.out_dir or harness.RESULTS_DIR
     args.markdown = args.markdown or STABILITY_MD
@@ -275,6 +378,11 @@ def main(argv=None):
   command = " ".join(["python", "benchmarks/stability.py",
                       *(sys.argv[1:] if argv is None else argv)])
   configs = {name: CONFIGS[name] for name in args.configs if name in CONFIGS}
+  kfac_jax, unavailable = None, None
+  if KFAC_JAX in args.configs:
+    kfac_jax, unavailable = harness.import_kfac_jax()
+    if unavailable:
+      print(f"NOTE: {KFAC_JAX} not run: {unavailable}", flush=True)
   load = harness.LoadSampler()
   results = {}
   with harness.single_threaded_lapack():
@@ -285,20 +393,23 @@ def main(argv=None):
       print(f"{name}: {problem.description}", flush=True)
       results[name] = run_model(problem, configs, args.adam_lrs, args.steps,
                                 args.seed, 0 if args.quick else args.log_every,
-                                load)
+                                load, kfac_jax)
   payload = dict(
       command=command, date=datetime.datetime.now(datetime.timezone.utc).strftime(
           "%Y-%m-%d %H:%M UTC"),
       environment=env, load_average=load.summary(),
       config=dict(steps=args.steps, seed=args.seed, quick=args.quick,
-                  configs=configs, adam_lrs=args.adam_lrs, window=harness.WINDOW),
-      models=results, wall_s=time.perf_counter() - started)
+                  configs=configs, adam_lrs=args.adam_lrs, window=harness.WINDOW,
+                  kfac_jax=KFAC_JAX_AUTO if KFAC_JAX in args.configs else None),
+      kfac_jax_unavailable=unavailable, models=results,
+      wall_s=time.perf_counter() - started)
+  # The comparison with kfac-jax has its own results file and section.
+  name, text = (("stability_kfac_jax", kfac_jax_markdown(payload))
+                if args.comparison else ("stability", markdown(payload)))
   if args.out_dir:
-    harness.write_json(os.path.join(args.out_dir, "stability.json"), payload)
-  text = markdown(payload)
+    harness.write_json(os.path.join(args.out_dir, f"{name}.json"), payload)
   if args.markdown:
-    with open(args.markdown, "w", encoding="utf-8") as f:
-      f.write(text)
+    harness.update_markdown(args.markdown, name, text, SCRIPT)
   print("\n" + text)
   print(f"done in {payload['wall_s']:.0f} s", flush=True)
   return payload

@@ -92,12 +92,41 @@ class Problem:
   def example_batch(self):
     return self.batch(np.arange(self.batch_size))
 
-  def loss_fn(self, params, variables, batch, rng):
-    """``(training loss, updated variables)``; ``rng`` drives dropout."""
-    outputs, new_variables = self.model.apply(
+  def outputs(self, params, variables, batch, rng):
+    """``(model outputs, updated variables)``; ``rng`` drives dropout."""
+    return self.model.apply(
         {"params": params, **variables}, self.inputs(batch),
         **self.apply_kwargs, rngs={"dropout": rng}, mutable=list(variables))
+
+  def loss_fn(self, params, variables, batch, rng):
+    """``(training loss, updated variables)``; ``rng`` drives dropout."""
+    outputs, new_variables = self.outputs(params, variables, batch, rng)
     return self.loss.value(outputs, batch), new_variables
+
+  def kfac_jax_loss(self, kfac_jax):
+    """`loss_fn` for ``kfac_jax.Optimizer``, its loss registered with kfac-jax.
+
+    kfac-jax's interface for state and randomness: ``(params, variables,
+    rng, batch) -> (loss, variables)``. kfac-jax scales its curvature by one
+    over the batch's leading size B, while `loss.value` averages over all of
+    the B·T terms (T positions per example for a language model), so the
+    loss is registered on the B·T rows with weight B / (B·T): both then
+    describe the same loss.
+    """
+    register = {kfac_optax.losses.Categorical:
+                    kfac_jax.register_softmax_cross_entropy_loss,
+                kfac_optax.losses.Bernoulli:
+                    kfac_jax.register_sigmoid_cross_entropy_loss}[type(self.loss)]
+
+    def loss_fn(params, variables, rng, batch):
+      outputs, new_variables = self.outputs(params, variables, batch, rng)
+      targets = self.loss.batch_targets(outputs, batch)
+      rows = outputs.reshape(-1, outputs.shape[-1])
+      labels = targets.ndim < outputs.ndim  # class labels, not per-output
+      register(rows, targets.reshape((-1,) if labels else rows.shape),
+               weight=len(outputs) / len(rows))
+      return self.loss.value(outputs, batch), new_variables
+    return loss_fn
 
   def kfac(self, **settings) -> optax.GradientTransformationExtraArgs:
     """``kfac_optax.kfac`` for this model; ``settings`` are its keywords."""

@@ -119,7 +119,8 @@ def test_kfac_jax_matched_settings_take_the_same_steps():
           workload, data[:16], estimation="exact", inverse_update_period=2,
           inverse="cholesky", **fixed), {}, workload, harness.train_step(workload))
   theirs = harness.kfac_jax_contender(
-      "theirs", KFAC_JAX, workload, data[:16], 0, settings={},
+      "theirs", KFAC_JAX, harness.kfac_jax_loss(workload, KFAC_JAX), data[:16],
+      0, settings={},
       optimizer_kwargs=dict(curvature_ema=0.95, inverse_update_period=2,
                             estimation_mode="fisher_exact"),
       step_kwargs=fixed)

@@ -7,9 +7,11 @@ full suite's verdict is in benchmarks/STABILITY.md.
 import json
 import math
 
+import jax
 import numpy as np
 import pytest
 
+from benchmarks import harness
 from benchmarks import stability
 from benchmarks import stability_problems
 
@@ -58,3 +60,62 @@ def test_kfac_losses_are_finite(quick_run):
       assert row["steps"] == stability.QUICK_STEPS, (model, name)
       assert np.all(np.isfinite(row["losses"])), (model, name, row["losses"])
       assert math.isfinite(row["final_loss"]), (model, name)
+
+
+# kfac-jax's automatic mode as an optional contender (skipped without kfac-jax).
+
+KFAC_JAX, WHY_NO_KFAC_JAX = harness.import_kfac_jax()
+needs_kfac_jax = pytest.mark.skipif(
+    KFAC_JAX is None, reason=f"kfac-jax not available: {WHY_NO_KFAC_JAX}")
+
+
+@pytest.fixture(scope="module")
+def kfac_jax_run(tmp_path_factory):
+  """The comparison's quick run on a model kfac-jax runs and one it cannot."""
+  out = tmp_path_factory.mktemp("stability_kfac_jax")
+  results = stability.main(["--quick", "--models", "mlp,self_attention",
+                            "--configs", ",".join(stability.COMPARISON),
+                            "--out-dir", str(out),
+                            "--markdown", str(out / "STABILITY.md")])
+  return results, out
+
+
+@needs_kfac_jax
+def test_kfac_jax_contender_races_or_records_its_error(kfac_jax_run):
+  results, out = kfac_jax_run
+  row = results["models"]["mlp"]["rows"][stability.KFAC_JAX]
+  assert row["family"] == "kfac_jax" and row["steps"] == stability.QUICK_STEPS
+  assert np.all(np.isfinite(row["losses"])), row["losses"]
+  # kfac-jax 0.0.8 cannot match nn.SelfAttention's per-head Dense layers.
+  attention = results["models"]["self_attention"]
+  assert "Incompatible shapes" in attention["failed"][stability.KFAC_JAX]
+  assert {"kfac_auto", QUICK_ADAM} <= set(attention["rows"])
+
+  assert (out / "stability_kfac_jax.json").is_file()
+  text = (out / "STABILITY.md").read_text()
+  assert "## Against kfac-jax's automatic mode" in text
+  assert "| mlp | kfac_jax_auto |" in text and "- **self_attention:** `" in text
+
+
+@needs_kfac_jax
+@pytest.mark.parametrize("model", ["gpt_lm", "autoencoder"])
+def test_kfac_jax_sees_the_trained_loss(model):
+  """kfac-jax's exact GGN of the registered loss equals J^T H J of
+  `loss.value` (brute force): the weight 1/T of a per-position loss."""
+  problem = stability_problems.make_problem(model, quick=True)
+  batch, rng = problem.example_batch, jax.random.key(0)
+  curvature = KFAC_JAX.ImplicitExactCurvature(problem.kfac_jax_loss(KFAC_JAX))
+  vector = jax.tree.map(lambda x: jax.random.normal(jax.random.key(1), x.shape),
+                        problem.params)
+  theirs = curvature.multiply_ggn(
+      (problem.params, problem.variables, rng, batch), vector)
+
+  def outputs(params):
+    return problem.outputs(params, problem.variables, batch, rng)[0]
+  value, tangent = jax.jvp(outputs, (problem.params,), (vector,))
+  loss_grad = jax.grad(lambda o: problem.loss.value(o, batch))
+  hessian_tangent = jax.jvp(loss_grad, (value,), (tangent,))[1]
+  brute = jax.vjp(outputs, problem.params)[1](hessian_tangent)[0]
+  theirs, brute = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])
+                   for t in (theirs, brute))
+  assert np.linalg.norm(theirs - brute) <= 1e-4 * np.linalg.norm(brute)
