@@ -107,15 +107,18 @@ def test_kfac_jax_sees_the_trained_loss(model):
   curvature = KFAC_JAX.ImplicitExactCurvature(problem.kfac_jax_loss(KFAC_JAX))
   vector = jax.tree.map(lambda x: jax.random.normal(jax.random.key(1), x.shape),
                         problem.params)
-  theirs = curvature.multiply_ggn(
+  theirs = jax.jit(curvature.multiply_ggn)(
       (problem.params, problem.variables, rng, batch), vector)
 
-  def outputs(params):
-    return problem.outputs(params, problem.variables, batch, rng)[0]
-  value, tangent = jax.jvp(outputs, (problem.params,), (vector,))
-  loss_grad = jax.grad(lambda o: problem.loss.value(o, batch))
-  hessian_tangent = jax.jvp(loss_grad, (value,), (tangent,))[1]
-  brute = jax.vjp(outputs, problem.params)[1](hessian_tangent)[0]
+  @jax.jit
+  def brute_force(params, vector):
+    def outputs(params):
+      return problem.outputs(params, problem.variables, batch, rng)[0]
+    value, tangent = jax.jvp(outputs, (params,), (vector,))
+    loss_grad = jax.grad(lambda o: problem.loss.value(o, batch))
+    hessian_tangent = jax.jvp(loss_grad, (value,), (tangent,))[1]
+    return jax.vjp(outputs, params)[1](hessian_tangent)[0]
+  brute = brute_force(problem.params, vector)
   theirs, brute = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])
                    for t in (theirs, brute))
   assert np.linalg.norm(theirs - brute) <= 1e-4 * np.linalg.norm(brute)
