@@ -12,8 +12,8 @@ rate, momentum, damping, ρ: what the automatic mode chose).
 Fairness as in `harness`: one set of initial params per model, the same
 batches and per-step keys for every contender, compilation in a discarded
 one-step warm-up (six steps when kfac-jax races), steps interleaved
-round-robin and each timed to ``block_until_ready``, one OpenBLAS thread. A contender stops at its first
-non-finite loss.
+round-robin and each timed to ``block_until_ready``, one OpenBLAS thread. A
+contender stops at its first non-finite loss.
 
 From the repository root::
 
@@ -142,7 +142,7 @@ def run_model(problem, configs, adam_lrs, steps, seed, log_every, load,
                 + [adam_contender(problem, lr) for lr in adam_lrs]
                 + ([kfac_jax_contender(problem, kfac_jax, seed)]
                    if kfac_jax else []))
-  # kfac-jax compiles its damping-adaptation step on first use (step 5).
+  # kfac-jax compiles its damping-adaptation step on first use (its fifth).
   warm_up_steps = harness.WARMUP_STEPS if kfac_jax else 1
   batches = harness.Batches(problem, max(steps, warm_up_steps), seed)
   compile_s, failed = harness.warm_up(contenders, problem.params, batches,
@@ -299,13 +299,13 @@ def kfac_jax_markdown(payload):
             "|---|---|---:|---:|---:|---:|---:|---:|"]
   for model, result in ran.items():
     rows = result["rows"]
+    base_ms = rows.get("kfac_auto", {}).get("mean_ms")
     for name in ("kfac_auto", KFAC_JAX, result["best_adam"]):
       if name in rows:
+        ratio = harness.ratio(rows[name]["mean_ms"], base_ms)
         lines.append("| " + " | ".join(
             _first_cells(model, name, rows[name], result["best_adam"])
-            + [fmt(rows[name]["mean_ms"]), fmt(harness.ratio(
-                rows[name]["mean_ms"], rows.get("kfac_auto", {}).get("mean_ms")),
-                                              ".2g")]) + " |")
+            + [fmt(rows[name]["mean_ms"]), fmt(ratio, ".2g")]) + " |")
   failed = {m: r["failed"][KFAC_JAX] for m, r in models.items()
             if KFAC_JAX in r["failed"]}
   if failed:
