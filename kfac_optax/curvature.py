@@ -33,7 +33,14 @@ from kfac_optax import sharding
 
 Path = tuple[str, ...]
 FALLBACK = "<diagonal>"  # state key of the diagonal fallback block
-_OVERRIDES = ("skip", "diagonal")
+_OVERRIDES = ("skip", "diagonal", *blocks.KRONECKER_STRUCTURES)
+# Factors above this size are kept diagonal by default. Measured with
+# benchmarks/factor_inverse.py (benchmarks/RESULTS.md): on 2 CPU cores one
+# float32 eigh takes 0.53 s at 2048, 3.6 s at 4096, 12 s at 6144 and about
+# 30 s at 8192 (cholesky about 4x faster); 4096 keeps a refresh of the
+# largest factors of common models (GPT-2 small's 3073) within seconds,
+# while VGG16's 25089-wide fully connected input would take hours.
+DEFAULT_MAX_FACTOR_DIM = 4096
 
 
 class ScaleByKFACState(NamedTuple):
@@ -198,6 +205,7 @@ class Curvature:
   apply_kwargs: dict[str, Any] | None = None
   layer_overrides: dict[str, str] | None = None
   mesh: jax.sharding.Mesh | None = None
+  max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM
 
   def __post_init__(self):
     if self.estimation not in losses.ESTIMATIONS:
@@ -213,6 +221,13 @@ class Curvature:
       raise ValueError(
           f"num_samples must be a positive Python int, got {self.num_samples!r}; "
           "with optax.inject_hyperparams, list it in static_args")
+    if self.max_factor_dim is not None and (
+        not isinstance(self.max_factor_dim, int) or isinstance(self.max_factor_dim, bool)
+        or self.max_factor_dim < 1):
+      raise ValueError(
+          "max_factor_dim must be a positive Python int or None (no bound), got "
+          f"{self.max_factor_dim!r}; with optax.inject_hyperparams, list it in "
+          "static_args")
     for pattern, choice in (self.layer_overrides or {}).items():
       if choice not in _OVERRIDES:
         raise ValueError(f"layer_overrides[{pattern!r}] must be one of "
@@ -274,13 +289,16 @@ class Curvature:
                       if key[:-1] == path}
       if override == "skip":
         owned.update(path + (name,) for name in layer_params)
-      if override is not None:
+      if override in ("skip", "diagonal"):
         continue
       if path not in discovered.num_calls:
         raise capture.not_threaded_error(path)
-      block = blocks.block_for(layout, layer_params, _stack_shape(
-          discovered.output_shapes[path], perturbations[path][0].shape,
-          layer_params), discovered.other_methods.get(path, ()))
+      block = blocks.block_for(
+          layout, layer_params, _stack_shape(
+              discovered.output_shapes[path], perturbations[path][0].shape,
+              layer_params), discovered.other_methods.get(path, ()),
+          structure=override if override in blocks.KRONECKER_STRUCTURES else None,
+          max_factor_dim=self.max_factor_dim)
       layers[_key(path)] = (path, block)
       owned.update(path + (name,) for name in block.param_names)
     fallback_paths = {_key(k): k for k in flat_params if k not in owned}

@@ -18,6 +18,7 @@ import optax
 from kfac_optax import adaptive
 from kfac_optax import checks
 from kfac_optax import losses
+from kfac_optax.curvature import DEFAULT_MAX_FACTOR_DIM
 from kfac_optax.curvature import Curvature
 from kfac_optax.curvature import ScaleByKFACState
 
@@ -97,6 +98,7 @@ def scale_by_kfac(
     apply_kwargs: dict[str, Any] | None = None,
     layer_overrides: dict[str, str] | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM,
 ) -> optax.GradientTransformationExtraArgs:
   """Preconditions gradients with K-FAC's damped Kronecker-factored Fisher.
 
@@ -152,16 +154,27 @@ def scale_by_kfac(
       a positive int.
     apply_kwargs: constant keyword arguments for ``apply_fn`` (e.g.
       ``{"train": True}``).
-    layer_overrides: ``{path pattern: "skip" | "diagonal"}``, patterns in
-      `fnmatch` syntax over module paths joined by "/" (e.g. ``"encoder/*"``);
-      the first matching pattern wins. ``"skip"`` leaves the layer's
-      gradients unpreconditioned; ``"diagonal"`` gives its params the
-      diagonal block instead of their structured one.
+    layer_overrides: ``{path pattern: choice}``, patterns in `fnmatch`
+      syntax over module paths joined by "/" (e.g. ``"encoder/*"``); the
+      first matching pattern wins. ``"skip"`` leaves the layer's gradients
+      unpreconditioned; ``"diagonal"`` gives its params the diagonal block
+      instead of their structured one. For dense and conv layers,
+      ``"kron_in_diag"`` keeps the input factor diagonal (``diag(A) ⊗ G``),
+      ``"kron_out_diag"`` the output factor (``A ⊗ diag(G)``),
+      ``"kron_both_diag"`` both, and ``"kron"`` neither, whatever
+      ``max_factor_dim`` says.
     mesh: devices to spread the inverse refresh over. Factor matrices of
       similar size are stacked (`linalg.invert_all`) and each stack is split
       over all mesh axes, so each of N devices inverts about 1/N of them,
       then the inverses are all-gathered. Default: the context mesh
       (``jax.set_mesh``) if any, else no distribution.
+    max_factor_dim: a dense or conv layer's factor larger than this (input:
+      ``in_dim + 1`` with a bias, conv ``kh·kw·c_in [+ 1]``; output:
+      ``out_dim``) is kept diagonal (``diag(A) ⊗ G`` or ``A ⊗ diag(G)``, see
+      `blocks.KroneckerBlock`); None: no bound. A positive Python int. The
+      default 4096 comes from timing one eigh on 2 CPU cores (0.53 s at
+      2048, 3.6 s at 4096, 12 s at 6144; `benchmarks/factor_inverse.py`).
+      Embeddings keep their full output factor.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes
@@ -274,6 +287,7 @@ def kfac(
     apply_kwargs: dict[str, Any] | None = None,
     layer_overrides: dict[str, str] | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    max_factor_dim: int | None = DEFAULT_MAX_FACTOR_DIM,
     norm_constraint: float | str | None = "auto",
     adaptive_damping: bool | None = None,
     damping_adaptation_interval: int = 5,
@@ -330,8 +344,8 @@ def kfac(
     momentum: a float, a schedule, None (chosen by the quadratic model), or
       ``"auto"``: None without a learning rate, else 0.9.
     inputs, damping, ema_decay, inverse_update_period, stats_update_period,
-    estimation, inverse, num_samples, apply_kwargs, layer_overrides, mesh:
-      see `scale_by_kfac`. With ``adaptive_damping``, ``damping`` is the
+    estimation, inverse, num_samples, apply_kwargs, layer_overrides, mesh,
+    max_factor_dim: see `scale_by_kfac`. With ``adaptive_damping``, ``damping`` is the
       initial λ.
     norm_constraint: c, None, or ``"auto"``: 1e-3 with a given learning
       rate, None without (the quadratic model already sizes the step).
