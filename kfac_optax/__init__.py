@@ -6,19 +6,23 @@ from kfac_optax.adaptive import norm_constraint
 from kfac_optax.blocks import KroneckerFactors
 from kfac_optax.curvature import Curvature
 from kfac_optax.layers import register_layer
+from kfac_optax.summary import FallbackWarning
 from kfac_optax.train_state import TrainState
 from kfac_optax.transform import KFACState
 from kfac_optax.transform import ScaleByKFACState
+from kfac_optax.transform import describe
 from kfac_optax.transform import kfac
 from kfac_optax.transform import scale_by_kfac
 from kfac_optax.transform import stats
 
 __all__ = [
     "Curvature",
+    "FallbackWarning",
     "KFACState",
     "KroneckerFactors",
     "ScaleByKFACState",
     "TrainState",
+    "describe",
     "kfac",
     "losses",
     "norm_constraint",

@@ -8,6 +8,7 @@ chosen factor by ``diag(diag(·))``, and solves with ``np.kron``.
 """
 
 import functools
+import re
 
 import flax.linen as nn
 import jax
@@ -192,10 +193,12 @@ def test_kron_choice_for_a_norm_layer_is_an_error():
     tx.init(params)
 
 
-@pytest.mark.parametrize("value", [0, 2.5, True, "4096"])
+@pytest.mark.parametrize("value", [0, 2.5, True, "4096", jnp.asarray(64)])
 def test_max_factor_dim_must_be_a_positive_int(value):
   _, batch = bf.tiny_problem()
   with pytest.raises(ValueError, match=r"max_factor_dim must be a positive Python "
-                     rf"int or None \(no bound\), got {value!r}"):
+                     r'int, None \(no bound\) or "auto" \(4096\), got '
+                     rf"{re.escape(repr(value))}; with optax.inject_hyperparams, "
+                     r"list it in static_args"):
     kfac_optax.scale_by_kfac(bf.TinyMLP().apply, LOSS, example_batch=batch,
                              max_factor_dim=value)
