@@ -177,3 +177,20 @@ def test_no_warning_for_diagonal_blocks_chosen_by_layer_overrides():
     warnings.simplefilter("error", kfac_optax.FallbackWarning)
     jax.eval_shape(tx.init, params)  # init traced: no arrays made
   assert kfac_optax.describe(tx, params).shares()["diagonal"] > 0.5
+
+
+class TiedLM(nn.Module):
+  @nn.compact
+  def __call__(self, ids):
+    embed = nn.Embed(20, 8, name="embed")
+    return embed.attend(jnp.tanh(nn.Dense(8, name="mix")(embed(ids))))
+
+
+def test_tied_embedding_row():
+  ids = jnp.zeros((2, 5), jnp.int32)
+  params = jax.eval_shape(TiedLM().init, jax.random.key(0), ids)["params"]
+  summary = kfac_optax.describe(kfac_optax.Curvature(
+      TiedLM().apply, LOSS, example_batch=(ids, ids)), params)
+  assert [(r.path, r.kind, r.factor_text(), r.num_params) for r in summary.rows] == [
+      ("embed", "tied embedding", "A diag 20 · G 8×8", 160),
+      ("mix", "kronecker", "A 9×9 · G 8×8", 72)]
