@@ -2,6 +2,7 @@
 
 from kfac_optax import losses
 from kfac_optax import sharding
+from kfac_optax import summary
 from kfac_optax.adaptive import norm_constraint
 from kfac_optax.blocks import KroneckerFactors
 from kfac_optax.curvature import Curvature
@@ -30,5 +31,6 @@ __all__ = [
     "scale_by_kfac",
     "sharding",
     "stats",
+    "summary",
 ]
 __version__ = "0.1.0"

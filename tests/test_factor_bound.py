@@ -97,7 +97,7 @@ def test_max_factor_dim_picks_the_diagonal_factors():
   for bound in (3, 4, None):
     tx = kfac_optax.scale_by_kfac(bf.TinyMLP().apply, LOSS, example_batch=batch,
                                   max_factor_dim=bound)
-    factors = tx.init(params).factors
+    factors = jax.eval_shape(tx.init, params).factors
     shapes[bound] = {name: (factors[name].a.shape, factors[name].g.shape)
                      for name in bf.LAYERS}
   assert shapes[3] == {"hidden": ((1, 6), (1, 4)), "nobias": ((1, 4), (1, 3, 3)),
@@ -111,7 +111,7 @@ def test_kron_override_ignores_the_bound():
   params, batch = bf.tiny_problem()
   tx = kfac_optax.scale_by_kfac(bf.TinyMLP().apply, LOSS, example_batch=batch,
                                 max_factor_dim=2, layer_overrides={"hidden": "kron"})
-  factors = tx.init(params).factors
+  factors = jax.eval_shape(tx.init, params).factors
   assert factors["hidden"].a.shape == (1, 6, 6)
   assert factors["out"].a.shape == (1, 4)
 
