@@ -18,6 +18,7 @@ import pytest
 
 import kfac_optax
 from tests import brute_force as bf
+from tests import test_lifted
 
 LOSS = kfac_optax.losses.softmax_cross_entropy()
 DAMPING = 1e-2
@@ -202,3 +203,26 @@ def test_max_factor_dim_must_be_a_positive_int(value):
                      r"list it in static_args"):
     kfac_optax.scale_by_kfac(bf.TinyMLP().apply, LOSS, example_batch=batch,
                              max_factor_dim=value)
+
+
+def test_scanned_stack_with_diagonal_factors_matches_unrolled_layers():
+  """nn.scan: each layer's diag(A) ⊗ G block equals its unrolled twin's."""
+  x = jax.random.normal(jax.random.key(0), (6, 2))
+  y = jnp.arange(6) % 3
+  params = test_lifted.scanned_net(test_lifted.THREADED).init(jax.random.key(1), x)["params"]
+  grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(2), p.shape), params)
+  unroll = lambda tree: {**{k: v for k, v in tree.items() if k != "stack"},
+                         **{f"layer{i}": jax.tree.map(lambda a, i=i: a[i], tree["stack"])
+                            for i in range(3)}}
+
+  def run(net, p, g):
+    tx = kfac_optax.scale_by_kfac(net.apply, LOSS, example_batch=(x, y),
+                                  estimation="empirical", damping=DAMPING,
+                                  max_factor_dim=4)
+    return jax.jit(lambda: tx.update(g, tx.init(p), p, batch=(x, y)))()
+
+  out, state = run(test_lifted.scanned_net(test_lifted.THREADED), params, grads)
+  expected_out, expected = run(test_lifted.Unrolled(), unroll(params), unroll(grads))
+  assert state.factors["stack/dense"].a.shape == (3, 1, 5)  # 4 inputs + bias > 4
+  assert state.factors["stack/dense"].g.shape == (3, 1, 4, 4)
+  assert bf.relative_error(unroll(out), expected_out) < 1e-4
