@@ -30,27 +30,49 @@ class KroneckerFactors(NamedTuple):
 
   Both carry a leading stack axis ``S`` (see `layouts`): ``a`` is
   ``(S, in_dim [+ 1], in_dim [+ 1])``, ``g`` is ``(S, out_dim, out_dim)``.
-  An embedding keeps ``a`` as its diagonal, ``(S, vocab)``.
+  A diagonal factor is kept as its diagonal: an embedding's ``a``,
+  ``(S, vocab)``; a Kronecker block's ``a`` ``(S, in_dim [+ 1])`` or ``g``
+  ``(S, out_dim)`` where that factor is diagonal (`KroneckerBlock`).
   """
   a: jax.Array
   g: jax.Array
 
 
-def _gram(rows: jax.Array, weights: jax.Array | None = None) -> jax.Array:
-  """``(S, R, d) -> (S, d, d)``: Σ_rows w r rᵀ per stack slice, float32 (or 64)."""
+def _gram(rows: jax.Array, weights: jax.Array | None = None,
+          diagonal: bool = False) -> jax.Array:
+  """``(S, R, d) -> (S, d, d)``: Σ_rows w r rᵀ per stack slice, float32 (or 64).
+
+  With ``diagonal`` only its diagonal ``Σ_rows w r²``, ``(S, d)``.
+  """
   rows = linalg.at_least_float32(rows)
   weighted = rows if weights is None else rows * weights[:, None]
-  return jnp.einsum("sri,srj->sij", weighted, rows, precision=_HIGHEST)
+  return jnp.einsum("sri,sri->si" if diagonal else "sri,srj->sij", weighted,
+                    rows, precision=_HIGHEST)
 
 
-def _output_factor(layout, output_grads, terms: losses.Terms):
-  """G = (1/L) Σ_k Σ_rows g gᵀ over every (unmasked) row of every call."""
+def _output_factor(layout, output_grads, terms: losses.Terms, diagonal: bool = False):
+  """G = (1/L) Σ_k Σ_rows g gᵀ over every (unmasked) row of every call
+  (its diagonal only, with ``diagonal``)."""
   total = 0.0
   for g in output_grads:  # g: (K, *output_shape); rows are K-major
     rows = layout.output_rows(g)
     weights = terms.row_weights(g.shape[1:], rows.shape[1] // g.shape[0])
-    total = total + _gram(rows, None if weights is None else jnp.tile(weights, g.shape[0]))
+    total = total + _gram(rows, None if weights is None else jnp.tile(weights, g.shape[0]),
+                          diagonal)
   return total / terms.count
+
+
+def _factor_init(stacks: int, size: int, diagonal: bool) -> tuple[jax.Array, jax.Array]:
+  """Zero statistics and the identity of one factor (as a vector if diagonal)."""
+  shape = (stacks, size) if diagonal else (stacks, size, size)
+  identity = jnp.ones(shape) if diagonal else jnp.tile(jnp.eye(size), (stacks, 1, 1))
+  return jnp.zeros(shape), identity
+
+
+# Which factors of a Kronecker block are kept diagonal: (input A, output G).
+# These are also `layer_overrides` values (TF K-FAC's approximation names).
+KRONECKER_STRUCTURES = {"kron": (False, False), "kron_in_diag": (True, False),
+                        "kron_out_diag": (False, True), "kron_both_diag": (True, True)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,13 +87,27 @@ class KroneckerBlock:
   ``V = [∇W; ∇b]`` of shape ``(in_dim + 1, out_dim)`` is preconditioned as
   ``U = (A + π√λ I)⁻¹ V (G + √λ/π I)⁻¹``, independently per stack slice.
 
+  A factor too large to invert (``diagonal_input``/``diagonal_output``, see
+  `block_for`) is replaced by its diagonal, ``diag(A)`` or ``diag(G)``: the
+  Fisher block becomes ``diag(A) ⊗ G`` or ``A ⊗ diag(G)`` (TF K-FAC's
+  ``kron_in_diag``/``kron_out_diag``), whose inverse scales the rows (or
+  columns) of ``V`` instead of a matrix product. Only the diagonal is
+  accumulated, so no ``d × d`` matrix of that side ever exists. The damping
+  split keeps its definition: ``π`` uses the mean eigenvalue ``tr/dim``, and
+  a diagonal's is the mean of its entries, equal to the full factor's
+  (``tr diag(A) = tr A``); so a layer gets the same ``π`` either way.
+
   Attributes:
     layout: maps the layer's arrays to rows and matrices (see `layouts`).
     has_bias: whether the layer has a bias (adds the homogeneous coordinate).
+    diagonal_input: keep ``A`` as its diagonal.
+    diagonal_output: keep ``G`` as its diagonal.
   """
 
   layout: Any
   has_bias: bool
+  diagonal_input: bool = False
+  diagonal_output: bool = False
 
   @property
   def param_names(self) -> tuple[str, ...]:
@@ -80,12 +116,10 @@ class KroneckerBlock:
   def init(self) -> tuple[KroneckerFactors, KroneckerFactors]:
     """Zero statistics and identity "inverses" (used until the first refresh)."""
     stacks, size = self.layout.num_stacks, self.layout.in_dim + self.has_bias
-    out = self.layout.out_dim
-    zeros = KroneckerFactors(jnp.zeros((stacks, size, size)),
-                             jnp.zeros((stacks, out, out)))
-    identities = KroneckerFactors(jnp.tile(jnp.eye(size), (stacks, 1, 1)),
-                                  jnp.tile(jnp.eye(out), (stacks, 1, 1)))
-    return zeros, identities
+    (zeros_a, eye_a), (zeros_g, eye_g) = (
+        _factor_init(stacks, size, self.diagonal_input),
+        _factor_init(stacks, self.layout.out_dim, self.diagonal_output))
+    return KroneckerFactors(zeros_a, zeros_g), KroneckerFactors(eye_a, eye_g)
 
   def statistics(
       self,
@@ -101,11 +135,13 @@ class KroneckerBlock:
         NLL with respect to the layer output.
       terms: L and the term mask.
     """
-    return KroneckerFactors(self.input_factor(inputs, terms),
-                            _output_factor(self.layout, output_grads, terms))
+    return KroneckerFactors(
+        self.input_factor(inputs, terms),
+        _output_factor(self.layout, output_grads, terms, self.diagonal_output))
 
   def input_factor(self, inputs: Sequence[jax.Array], terms: losses.Terms) -> jax.Array:
-    """``A``: the mean of ``ā āᵀ`` over every (unmasked) row of every call."""
+    """``A``: the mean of ``ā āᵀ`` over every (unmasked) row of every call
+    (of ``ā²`` with ``diagonal_input``)."""
     a, num_rows = 0.0, 0.0
     for x in inputs:
       gram, count = self._input_gram(x, terms)
@@ -129,8 +165,8 @@ class KroneckerBlock:
     if not getattr(self.layout, "expands_input", False):
       rows = self._rows(x)
       weights = terms.row_weights(x.shape, rows.shape[1])
-      return _gram(rows, weights), (rows.shape[1] if weights is None
-                                    else jnp.sum(weights))
+      return _gram(rows, weights, self.diagonal_input), (
+          rows.shape[1] if weights is None else jnp.sum(weights))
     example = jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype)
     rows_per_example = jax.eval_shape(self._rows, example).shape[1]
     floats_per_example = rows_per_example * (self.layout.num_stacks *
@@ -146,11 +182,11 @@ class KroneckerBlock:
 
     def add_chunk(total, chunk_data):
       xs, ws = chunk_data
-      return total + _gram(self._rows(xs), ws), None
-    size = self.layout.in_dim + self.has_bias
+      return total + _gram(self._rows(xs), ws, self.diagonal_input), None
+    zeros = _factor_init(self.layout.num_stacks, self.layout.in_dim + self.has_bias,
+                         self.diagonal_input)[0]
     total, _ = jax.lax.scan(
-        add_chunk, jnp.zeros((self.layout.num_stacks, size, size),
-                             linalg.at_least_float32(x).dtype),
+        add_chunk, zeros.astype(linalg.at_least_float32(x).dtype),
         (x.reshape(num_chunks, chunk, *x.shape[1:]),
          weights.reshape(num_chunks, chunk * rows_per_example)))
     return total, jnp.sum(weights)
@@ -162,8 +198,9 @@ class KroneckerBlock:
         lambda a, g: linalg.pi_adjusted_damping(
             linalg.mean_eigenvalue(a), linalg.mean_eigenvalue(g), damping)
     )(factors.a, factors.g)
-    return KroneckerFactors(linalg.Damped(factors.a, damping_a),
-                            linalg.Damped(factors.g, damping_g))
+    damped = lambda diagonal: linalg.DampedDiagonal if diagonal else linalg.Damped
+    return KroneckerFactors(damped(self.diagonal_input)(factors.a, damping_a),
+                            damped(self.diagonal_output)(factors.g, damping_g))
 
   def precondition(self, inverses: KroneckerFactors, grads: dict) -> dict:
     """Maps ``{"kernel": ∇W[, "bias": ∇b]}`` to its preconditioned leaves,
@@ -173,7 +210,12 @@ class KroneckerBlock:
     if self.has_bias:
       bias = layout.bias_matrix(grads["bias"].astype(dtype))
       stacked = jnp.concatenate([stacked, bias[:, None]], 1)
-    result = inverses.a @ stacked @ inverses.g
+    if self.diagonal_input:  # diag(a) @ V scales V's rows
+      stacked = inverses.a[:, :, None] * stacked
+    else:
+      stacked = inverses.a @ stacked
+    result = (stacked * inverses.g[:, None, :] if self.diagonal_output
+              else stacked @ inverses.g)
     out = {"kernel": layout.kernel_from_matrix(result[:, :layout.in_dim])}
     if self.has_bias:
       out["bias"] = layout.bias_from_matrix(result[:, layout.in_dim])
@@ -394,7 +436,8 @@ class StackedBlock:
 
 
 def block_for(layout: Any, layer_params: dict, stack_shape: tuple = (),
-              other_methods: tuple[str, ...] = ()) -> Any:
+              other_methods: tuple[str, ...] = (), *, structure: str | None = None,
+              max_factor_dim: int | None = None) -> Any:
   """The curvature block of a captured layer, from its layout and params.
 
   Args:
@@ -404,10 +447,15 @@ def block_for(layout: Any, layer_params: dict, stack_shape: tuple = (),
       share (nn.scan layer stacks); each slice gets its own block.
     other_methods: the layer's other captured methods that the model calls
       (``"attend"``: a tied embedding).
+    structure: a key of `KRONECKER_STRUCTURES` that fixes which factors of
+      a Kronecker block are diagonal, or None to decide by ``max_factor_dim``.
+    max_factor_dim: a Kronecker factor larger than this (``in_dim + 1``
+      with a bias, ``out_dim``) is kept diagonal; None: no bound.
   """
   slice_params = {k: jax.ShapeDtypeStruct(v.shape[len(stack_shape):], v.dtype)
                   for k, v in layer_params.items()}
-  block = _unstacked_block(layout, slice_params, other_methods)
+  block = _unstacked_block(layout, slice_params, other_methods, structure,
+                           max_factor_dim)
   if stack_shape and other_methods:
     raise NotImplementedError(
         f"{other_methods} calls of a layer stacked by a lifted transform are "
@@ -417,9 +465,23 @@ def block_for(layout: Any, layer_params: dict, stack_shape: tuple = (),
   return block
 
 
-def _unstacked_block(layout: Any, layer_params: dict, other_methods: tuple) -> Any:
+def _unstacked_block(layout: Any, layer_params: dict, other_methods: tuple,
+                     structure: str | None, max_factor_dim: int | None) -> Any:
+  kronecker = not isinstance(layout, (layouts.EmbeddingLayout, layouts.NormLayout))
+  if structure is not None and not kronecker:
+    raise ValueError(
+        f"layer_overrides value {structure!r} is for dense and conv layers "
+        f"(Kronecker blocks), but it matched a layer with a {type(layout).__name__}."
+        "\nFix: put a pattern for that layer (\"diagonal\", \"skip\") before the "
+        "one that matched it, or narrow that pattern")
   if isinstance(layout, layouts.EmbeddingLayout):
     return EmbeddingBlock(layout, tied="attend" in other_methods)
   if isinstance(layout, layouts.NormLayout):
     return NormBlock({k: v.shape for k, v in layer_params.items()}, layout)
-  return KroneckerBlock(layout, "bias" in layer_params)
+  has_bias = "bias" in layer_params
+  if structure is None:
+    too_large = lambda size: max_factor_dim is not None and size > max_factor_dim
+    diagonal = too_large(layout.in_dim + has_bias), too_large(layout.out_dim)
+  else:
+    diagonal = KRONECKER_STRUCTURES[structure]
+  return KroneckerBlock(layout, has_bias, *diagonal)

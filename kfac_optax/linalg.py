@@ -55,7 +55,9 @@ def pi_adjusted_damping(
 
 
 def mean_eigenvalue(matrix: jax.Array) -> jax.Array:
-  """``tr(M) / dim M``."""
+  """``tr(M) / dim M``; a vector stands for the diagonal matrix it holds."""
+  if matrix.ndim == 1:
+    return jnp.mean(matrix)
   return jnp.trace(matrix) / matrix.shape[0]
 
 

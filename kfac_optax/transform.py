@@ -4,11 +4,14 @@
 curvature work lives in `curvature.Curvature`). `kfac` is the optimizer to
 drop in: the direction, a learning rate and momentum (fixed, scheduled, or
 chosen by the quadratic model), an optional norm constraint, adaptive
-damping and burn-in (`adaptive`). `stats` reads either's state for logging.
+damping and burn-in (`adaptive`). `stats` reads either's state for logging,
+`describe` lists the blocks either gives a model.
 """
 
 import dataclasses
+import functools
 import math
+import types
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -18,6 +21,7 @@ import optax
 from kfac_optax import adaptive
 from kfac_optax import checks
 from kfac_optax import losses
+from kfac_optax import summary
 from kfac_optax.curvature import Curvature
 from kfac_optax.curvature import ScaleByKFACState
 
@@ -97,6 +101,7 @@ def scale_by_kfac(
     apply_kwargs: dict[str, Any] | None = None,
     layer_overrides: dict[str, str] | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    max_factor_dim: int | str | None = "auto",
 ) -> optax.GradientTransformationExtraArgs:
   """Preconditions gradients with K-FAC's damped Kronecker-factored Fisher.
 
@@ -152,16 +157,28 @@ def scale_by_kfac(
       a positive int.
     apply_kwargs: constant keyword arguments for ``apply_fn`` (e.g.
       ``{"train": True}``).
-    layer_overrides: ``{path pattern: "skip" | "diagonal"}``, patterns in
-      `fnmatch` syntax over module paths joined by "/" (e.g. ``"encoder/*"``);
-      the first matching pattern wins. ``"skip"`` leaves the layer's
-      gradients unpreconditioned; ``"diagonal"`` gives its params the
-      diagonal block instead of their structured one.
+    layer_overrides: ``{path pattern: choice}``, patterns in `fnmatch`
+      syntax over module paths joined by "/" (e.g. ``"encoder/*"``); the
+      first matching pattern wins. ``"skip"`` leaves the layer's gradients
+      unpreconditioned; ``"diagonal"`` gives its params the diagonal block
+      instead of their structured one. For dense and conv layers,
+      ``"kron_in_diag"`` keeps the input factor diagonal (``diag(A) ⊗ G``),
+      ``"kron_out_diag"`` the output factor (``A ⊗ diag(G)``),
+      ``"kron_both_diag"`` both, and ``"kron"`` neither, whatever
+      ``max_factor_dim`` says.
     mesh: devices to spread the inverse refresh over. Factor matrices of
       similar size are stacked (`linalg.invert_all`) and each stack is split
       over all mesh axes, so each of N devices inverts about 1/N of them,
       then the inverses are all-gathered. Default: the context mesh
       (``jax.set_mesh``) if any, else no distribution.
+    max_factor_dim: a dense or conv layer's factor larger than this (input:
+      ``in_dim + 1`` with a bias, conv ``kh·kw·c_in [+ 1]``; output:
+      ``out_dim``) is kept diagonal (``diag(A) ⊗ G`` or ``A ⊗ diag(G)``, see
+      `blocks.KroneckerBlock`): a positive Python int, None (no bound) or
+      ``"auto"``: 4096, from timing one float32 eigh on 2 CPU cores (0.53 s
+      at 2048, 3.6 s at 4096, 12 s at 6144, 28 s at 8192; cholesky 4 to 5
+      times faster; `benchmarks/factor_inverse.py`). Embeddings keep their full
+      output factor. ``layer_overrides`` choices ``"kron*"`` take precedence.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes
@@ -274,6 +291,7 @@ def kfac(
     apply_kwargs: dict[str, Any] | None = None,
     layer_overrides: dict[str, str] | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    max_factor_dim: int | str | None = "auto",
     norm_constraint: float | str | None = "auto",
     adaptive_damping: bool | None = None,
     damping_adaptation_interval: int = 5,
@@ -330,9 +348,9 @@ def kfac(
     momentum: a float, a schedule, None (chosen by the quadratic model), or
       ``"auto"``: None without a learning rate, else 0.9.
     inputs, damping, ema_decay, inverse_update_period, stats_update_period,
-    estimation, inverse, num_samples, apply_kwargs, layer_overrides, mesh:
-      see `scale_by_kfac`. With ``adaptive_damping``, ``damping`` is the
-      initial λ.
+    estimation, inverse, num_samples, apply_kwargs, layer_overrides, mesh,
+    max_factor_dim: see `scale_by_kfac`. With ``adaptive_damping``,
+      ``damping`` is the initial λ.
     norm_constraint: c, None, or ``"auto"``: 1e-3 with a given learning
       rate, None without (the quadratic model already sizes the step).
     adaptive_damping: adapt λ by the Levenberg-Marquardt rule; None: when
@@ -523,3 +541,84 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
   return {**counted, **{name: nan for name in (
       "requested_damping", "learning_rate", "momentum", "rho", "qmodel_change",
       "fisher_norm")}}
+
+
+def _curvatures_in(node: Any, seen: set[int]) -> list[Curvature]:
+  """The `Curvature`s that ``node`` holds or its functions close over.
+
+  Walks tuples (optax transformations), lists, dicts, functools.partial,
+  bound methods and closure cells: how `scale_by_kfac` (``init`` is
+  `Curvature.init`), `kfac` (closures) and optax's combinators (``chain``,
+  ``multi_transform``: closures over their members) hold it.
+  """
+  if isinstance(node, Curvature):
+    return [node]
+  if id(node) in seen:
+    return []
+  seen.add(id(node))
+  if isinstance(node, (tuple, list)):
+    children = list(node)
+  elif isinstance(node, dict):
+    children = list(node.values())
+  elif isinstance(node, functools.partial):
+    children = [node.func, *node.args, *node.keywords.values()]
+  elif isinstance(node, types.MethodType):
+    children = [node.__self__, node.__func__]
+  elif isinstance(node, types.FunctionType):
+    children = []
+    for cell in node.__closure__ or ():
+      try:
+        children.append(cell.cell_contents)
+      except ValueError:  # a cell not yet filled
+        pass
+  else:
+    return []
+  found = []
+  for child in children:
+    found += [c for c in _curvatures_in(child, seen) if all(c is not f for f in found)]
+  return found
+
+
+def describe(optimizer: Any, params: Any) -> summary.Summary:
+  """What K-FAC does with a model: its block per module, as a table.
+
+  For every module: its block kind (a key of `summary.KINDS`: ``kronecker``,
+  ``kron_in_diag``/``kron_out_diag``/``kron_both_diag`` for factors kept
+  diagonal by ``max_factor_dim`` or ``layer_overrides``, ``embedding``,
+  ``norm``, ``diagonal``, ``fallback`` for params no layer block captures,
+  ``skipped``), its factor sizes, its parameter count, and each kind's share
+  of the parameters. ``print(describe(tx, params))`` shows the table.
+
+  Args:
+    optimizer: the transformation returned by `kfac` or `scale_by_kfac`,
+      alone or inside ``optax.chain`` (or another combinator that closes
+      over its members), or a `Curvature`.
+    params: the model's params (arrays or ``jax.ShapeDtypeStruct``).
+
+  Returns:
+    A `summary.Summary`: ``rows`` (module path, kind, factors, parameter
+    count), ``shares()``; ``str()`` renders the table.
+
+  Raises:
+    ValueError: if ``optimizer`` holds no K-FAC curvature, or several.
+
+  Example:
+    >>> import flax.linen as nn, jax, jax.numpy as jnp, optax, kfac_optax
+    >>> model = nn.Dense(3)
+    >>> batch = (jnp.ones((8, 4)), jnp.zeros((8,), jnp.int32))
+    >>> params = model.init(jax.random.key(0), batch[0])["params"]
+    >>> tx = optax.chain(kfac_optax.scale_by_kfac(
+    ...     model.apply, kfac_optax.losses.softmax_cross_entropy(),
+    ...     example_batch=batch), optax.sgd(0.1))
+    >>> kfac_optax.describe(tx, params).shares()
+    {'kronecker': 1.0}
+  """
+  found = _curvatures_in(optimizer, set())
+  if len(found) != 1:
+    raise ValueError(
+        f"kfac_optax.describe found {len(found) or 'no'} K-FAC curvature"
+        f"{'s' if found else ''} in the given {type(optimizer).__name__}; pass "
+        "the transformation returned by kfac or scale_by_kfac (alone or in "
+        "optax.chain), or a kfac_optax.Curvature built with the same arguments "
+        "(e.g. for optax.inject_hyperparams, which builds the optimizer in init)")
+  return found[0].describe(params)
