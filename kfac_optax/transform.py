@@ -20,6 +20,7 @@ from kfac_optax import checks
 from kfac_optax import losses
 from kfac_optax.curvature import Curvature
 from kfac_optax.curvature import ScaleByKFACState
+from kfac_optax.curvature import flatten
 
 _NAN = float("nan")
 # Chosen from the stability suite (benchmarks/STABILITY.md): with a given
@@ -34,7 +35,7 @@ def _value_at(hyperparameter: Any, count: jax.Array) -> jax.Array:
   return hyperparameter(count) if callable(hyperparameter) else hyperparameter
 
 
-def _check_update_args(curvature: Curvature, batch, params, rng, name: str):
+def _check_update_args(curvature: Curvature, grads, batch, params, rng, name: str):
   if batch is None:
     raise TypeError(
         f"{name}'s update needs the training batch: call "
@@ -43,11 +44,32 @@ def _check_update_args(curvature: Curvature, batch, params, rng, name: str):
   if params is None:
     raise TypeError(f"{name}'s update needs params: "
                     "tx.update(grads, state, params, batch=batch, rng=rng)")
+  _check_grads_fit(grads, params, name)
   if curvature.estimation in ("fisher", "curvature_prop") and rng is None:
     raise TypeError(
         f'estimation="{curvature.estimation}" draws random output gradients '
         "and needs rng=: pass a fresh jax.random key each step (or use "
         'estimation="empirical" or "exact")')
+  if rng is not None:
+    checks.random_key("rng", rng)
+
+
+def _check_grads_fit(grads, params, name: str) -> None:
+  """The gradients must be params-shaped: same leaves, same shapes."""
+  flat_grads, flat_params = flatten(grads)[0], flatten(params)[0]
+  wrong = []
+  for path in {**flat_params, **flat_grads}:
+    shapes = [tuple(jnp.shape(tree[path])) if path in tree else "missing"
+              for tree in (flat_grads, flat_params)]
+    if shapes[0] != shapes[1]:
+      wrong.append(f"{'/'.join(path)}: {shapes[0]} vs {shapes[1]}")
+  if wrong:
+    raise ValueError(
+        f"{name}'s update got grads that do not match params (grads shape vs "
+        f"params shape): {'; '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}."
+        "\nFix: pass the gradients of these params, tx.update(grads, state, "
+        "params, ...) with grads = jax.grad(loss_fn)(params): the same tree "
+        "and shapes as params.")
 
 
 def _curvature_of(arguments: dict[str, Any]) -> Curvature:
@@ -87,6 +109,7 @@ def scale_by_kfac(
     *,
     example_batch: Any,
     inputs: Callable[[Any], Any] | None = None,
+    outputs: Callable[[Any], Any] | None = None,
     damping: optax.ScalarOrSchedule = DEFAULT_DAMPING,
     ema_decay: float = 0.95,
     inverse_update_period: int = 5,
@@ -132,7 +155,15 @@ def scale_by_kfac(
     example_batch: a batch (or tree of ``jax.ShapeDtypeStruct``) with the
       structure of a training batch; traced once in ``init`` to find layers.
     inputs: batch -> apply_fn's positional input (or tuple of them);
-      default ``batch[0]`` for tuple/list batches.
+      default ``batch[0]`` for tuple/list batches. ``apply_fn`` is called as
+      ``apply_fn({"params": params, **variables}, *inputs(batch),
+      mutable=..., rngs={"dropout": key}, **apply_kwargs)``.
+    outputs: apply_fn's return value -> the array the loss reads, for models
+      that return a dict or a dataclass (e.g. ``lambda out: out["logits"]``,
+      or ``lambda out: out.logits`` for a Hugging Face ``ModelOutput``);
+      default: the return value itself, which must then be an array. Used
+      wherever K-FAC runs the model (statistics, the quadratic model, exact
+      products).
     damping: Tikhonov λ > 0 (``F + λI``), a float or a schedule of the
       count. A refresh whose λ is not positive and finite (a schedule that
       reaches 0, an injected value) keeps the previous inverses and is
@@ -199,7 +230,7 @@ def scale_by_kfac(
   def update_fn(updates, state, params=None, *, batch=None, rng=None,
                 variables=None, **extra_args):
     del extra_args  # optax.chain forwards every member's keywords
-    _check_update_args(curvature, batch, params, rng, "scale_by_kfac")
+    _check_update_args(curvature, updates, batch, params, rng, "scale_by_kfac")
 
     def precondition(updates, state, params, batch, variables, rng):
       state = curvature.update(state, params, batch=batch, rng=rng,
@@ -264,6 +295,7 @@ def kfac(
     learning_rate: optax.ScalarOrSchedule | None = None,
     momentum: optax.ScalarOrSchedule | str | None = "auto",
     inputs: Callable[[Any], Any] | None = None,
+    outputs: Callable[[Any], Any] | None = None,
     damping: optax.ScalarOrSchedule = DEFAULT_DAMPING,
     ema_decay: float = 0.95,
     inverse_update_period: int = 5,
@@ -329,9 +361,9 @@ def kfac(
       mode: chosen by the quadratic model).
     momentum: a float, a schedule, None (chosen by the quadratic model), or
       ``"auto"``: None without a learning rate, else 0.9.
-    inputs, damping, ema_decay, inverse_update_period, stats_update_period,
-    estimation, inverse, num_samples, apply_kwargs, layer_overrides, mesh:
-      see `scale_by_kfac`. With ``adaptive_damping``, ``damping`` is the
+    inputs, outputs, damping, ema_decay, inverse_update_period,
+    stats_update_period, estimation, inverse, num_samples, apply_kwargs,
+    layer_overrides, mesh: see `scale_by_kfac`. With ``adaptive_damping``, ``damping`` is the
       initial λ.
     norm_constraint: c, None, or ``"auto"``: 1e-3 with a given learning
       rate, None without (the quadratic model already sizes the step).
@@ -396,7 +428,7 @@ def kfac(
   def update_fn(grads, state, params=None, *, batch=None, rng=None,
                 variables=None, **extra_args):
     del extra_args
-    _check_update_args(curvature, batch, params, rng, "kfac")
+    _check_update_args(curvature, grads, batch, params, rng, "kfac")
     return _with_auto_axes(step, grads, state, params, batch,
                            dict(variables or {}), rng)
 
