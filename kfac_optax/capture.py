@@ -78,13 +78,19 @@ class _Interceptor:
 
   def _record(self, path: Path, layout: Any) -> None:
     if self.layouts.setdefault(path, layout) != layout:
-      where = (f"the layer at {'/'.join(path)!r}" if path else
-               "the top-level module (path '', the one that .apply runs; e.g. "
-               "a module applied twice with its own .apply)")
+      layouts = f"({self.layouts[path]} and {layout})"
+      if not path:  # fresh .apply roots all share the path ''
+        raise ValueError(
+            "layer calls at the top-level path '' need different curvature "
+            f"layouts {layouts}: more than one module runs with its own "
+            ".apply (e.g. apply_fn applies two models, or applies a model "
+            "twice), and K-FAC keeps one block per module path.\nFix: make "
+            "apply_fn one model.apply, with every layer a submodule of that "
+            "model.")
       raise ValueError(
-          f"{where} is called with inputs that need different curvature "
-          f"layouts ({self.layouts[path]} and {layout}); K-FAC keeps one "
-          "block per module, so all its calls must share one layout")
+          f"the layer at {'/'.join(path)!r} is called with inputs that need "
+          f"different curvature layouts {layouts}; K-FAC keeps one block per "
+          "module")
 
 
 class Discovered(NamedTuple):

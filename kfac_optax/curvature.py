@@ -127,28 +127,23 @@ _CALLED_AS = (
     "**apply_kwargs)")
 
 
-def _describe(value: Any) -> str:
-  """A short account of a non-array model output: its keys or fields."""
-  if isinstance(value, dict):
-    return f"keys {list(value)}"
+def _is_array(value: Any) -> bool:
+  return hasattr(value, "shape") and hasattr(value, "dtype")
+
+
+def _output_advice(value: Any) -> tuple[str, str]:
+  """(its keys or fields, an ``outputs=`` selecting an array) for a
+  non-array model output."""
+  if isinstance(value, dict):  # also Hugging Face's ModelOutput
+    key = next((k for k, v in value.items() if _is_array(v)), "logits")
+    return f"keys {list(value)}", f"outputs=lambda out: out[{key!r}]"
   if dataclasses.is_dataclass(value):
-    return f"fields {[field.name for field in dataclasses.fields(value)]}"
+    names = [field.name for field in dataclasses.fields(value)]
+    name = next((n for n in names if _is_array(getattr(value, n))), "logits")
+    return f"fields {names}", f"outputs=lambda out: out.{name}"
   if isinstance(value, (tuple, list)):
-    return f"{len(value)} elements"
-  return repr(value)
-
-
-def _selector_hint(value: Any) -> str:
-  """An ``outputs=`` that would select an array from ``value``."""
-  arrays = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")
-  if isinstance(value, dict):
-    key = next((k for k, v in value.items() if arrays(v)), "logits")
-    return f"outputs=lambda out: out[{key!r}]"
-  if dataclasses.is_dataclass(value):
-    name = next((f.name for f in dataclasses.fields(value)
-                 if arrays(getattr(value, f.name, None))), "logits")
-    return f"outputs=lambda out: out.{name}"
-  return "outputs=lambda out: out[0]"
+    return f"{len(value)} elements", "outputs=lambda out: out[0]"
+  return repr(value), "outputs=lambda out: out.logits"
 
 
 def _check_signature(apply_fn: Callable[..., Any], variables: Any, args: tuple,
@@ -302,7 +297,7 @@ class Curvature:
     key = jax.random.key(0) if rng is None else rng
     return {**(self.apply_kwargs or {}), "rngs": {"dropout": key}}
 
-  def model_output(self, out: Any) -> jax.Array:
+  def _model_output(self, out: Any) -> jax.Array:
     """The array the loss reads from apply_fn's return value (``outputs=``).
 
     Raises:
@@ -310,14 +305,15 @@ class Curvature:
         Face's ``ModelOutput``, a tuple), naming ``outputs=``.
     """
     found = out if self.outputs is None else self.outputs(out)
-    if not (hasattr(found, "shape") and hasattr(found, "dtype")):
+    if not _is_array(found):
       source = ("outputs= returned" if self.outputs is not None
                 else "apply_fn returned")
+      content, hint = _output_advice(found)
       raise TypeError(
-          f"{source} {type(found).__name__} ({_describe(found)}), but the loss "
-          "reads one array of outputs.\nFix: pass outputs= to scale_by_kfac/kfac "
+          f"{source} {type(found).__name__} ({content}), but the loss reads "
+          "one array of outputs.\nFix: pass outputs= to scale_by_kfac/kfac "
           "(or Curvature), a function from apply_fn's return value to the array "
-          f"the loss reads, e.g. {_selector_hint(found)}")
+          f"the loss reads, e.g. {hint}")
     return found
 
   def forward(self, params: Any, batch: Any, variables: dict | None = None,
@@ -327,7 +323,7 @@ class Curvature:
     variables = dict(variables or {})
     out = self.apply_fn({"params": params, **variables}, *self._model_args(batch),
                         mutable=list(variables) or False, **self._call_kwargs(rng))
-    return self.model_output(out[0] if variables else out)
+    return self._model_output(out[0] if variables else out)
 
   def loss_value(self, params: Any, batch: Any, variables: dict | None = None,
                  rng: jax.Array | None = None) -> jax.Array:
@@ -379,14 +375,15 @@ class Curvature:
             f"scale_by_kfac could not run apply_fn on {what}: "
             f"{type(error).__name__}: {error}\nFix: "
             f"{_BATCH_FIX.format(what=what)}") from error
+      fix = "" if "Fix:" in str(error) else (
+          "\nFix: a layer given to kfac_optax.register_layer must be "
+          "registered with the kind of its computation, and any captured "
+          "layer can be given the diagonal block with "
+          "layer_overrides={'its/path': 'diagonal'}.")
       raise ValueError(
           f"apply_fn runs on {what}, but not under K-FAC's capture of its "
-          f"layers: {type(error).__name__}: {error}\nFix: see the message "
-          "above; a layer given to kfac_optax.register_layer must be "
-          "registered with the kind and layout of its arrays, and any "
-          "captured layer can be given the diagonal block with "
-          "layer_overrides={'its/path': 'diagonal'}.") from error
-    jax.eval_shape(self.model_output, discovered.outputs)  # outputs= checked
+          f"layers: {type(error).__name__}: {error}{fix}") from error
+    jax.eval_shape(self._model_output, discovered.outputs)  # outputs= checked
     return discovered
 
   def _plan(self, params, batch, variables, mutable, what) -> _Plan:
@@ -449,7 +446,7 @@ class Curvature:
       outputs, collections = run(
           {"params": full, **variables, capture.PERTURBATIONS: perturbations})
       # No captured layer (every param in the fallback): no kfac_inputs.
-      return self.model_output(outputs), collections.get(capture.INPUTS, {})
+      return self._model_output(outputs), collections.get(capture.INPUTS, {})
 
     captured = capture.capture(
         model,

@@ -246,6 +246,31 @@ def test_failure_under_capture_only_is_named():
   assert BATCH_FIX not in message
 
 
+class TwoTopLevelApplies(nn.Module):
+  """Two layers each run with their own .apply: both at the path ''."""
+
+  @nn.compact
+  def __call__(self, x):
+    square = {"kernel": jnp.eye(5), "bias": jnp.zeros(5)}
+    h = nn.Dense(5).apply({"params": square}, x)
+    return nn.Dense(3, use_bias=False).apply({"params": {"kernel": jnp.ones((5, 3))}}, h)
+
+
+def test_layers_applied_at_the_top_level_are_named():
+  message = init_error(apply_fn=TwoTopLevelApplies().apply,
+                       params={"unused": jnp.zeros(1)})
+  assert message.startswith(
+      "apply_fn runs on example_batch, but not under K-FAC's capture of its "
+      "layers: ValueError: layer calls at the top-level path '' need different "
+      "curvature layouts (")
+  assert message.endswith(
+      "more than one module runs with its own .apply (e.g. apply_fn applies two "
+      "models, or applies a model twice), and K-FAC keeps one block per module "
+      "path.\nFix: make apply_fn one model.apply, with every layer a submodule "
+      "of that model.")
+  assert BATCH_FIX not in message
+
+
 @pytest.fixture(scope="module")
 def tx_and_state():
   tx = kfac_optax.scale_by_kfac(bf.TinyMLP().apply, LOSS, example_batch=BATCH)
