@@ -171,6 +171,25 @@ def test_model_without_captured_layers_trains():
   assert loss_fn(params) < 0.8 * start
 
 
+def test_nnx_bridge_model_runs_on_the_diagonal_fallback():
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  class Linear(nnx.Module):
+    def __init__(self, rngs):
+      self.layer = nnx.Linear(5, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.layer(x)
+  model = nnx.bridge.to_linen(Linear)
+  params = model.init(jax.random.key(0), BATCH[0])["params"]
+  tx = kfac_optax.scale_by_kfac(model.apply, LOSS, example_batch=BATCH,
+                                estimation="empirical")
+  state = tx.init(params)
+  assert sorted(state.factors["<diagonal>"]) == ["layer/bias", "layer/kernel"]
+  update, _ = tx.update(params, state, params, batch=BATCH)
+  assert all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree.leaves(update))
+
+
 # -- errors name their real cause ------------------------------------------
 
 def init_error(apply_fn=bf.TinyMLP().apply, params=PARAMS, **settings):
