@@ -199,7 +199,10 @@ def scale_by_kfac(
     ``(grads, state, params, *, batch, rng=None, variables=None)``. ``variables``
     holds other collections the model needs (e.g. ``{"batch_stats": ...}``);
     they are mutable in K-FAC's pass and its changes to them are discarded.
-    ``rng`` also seeds the ``"dropout"`` stream of K-FAC's pass.
+    ``rng`` also seeds the ``"dropout"`` stream of K-FAC's pass; it must be
+    one key (``jax.random.key`` or a raw ``jax.random.PRNGKey``), and
+    ``grads`` must have the params' tree and shapes (else a ``TypeError``
+    or ``ValueError`` naming the argument).
     Updates are computed in float32 (float64 for float64 params) and
     returned in the gradients' dtype; one that would not fit it is scaled
     down (see `Curvature.precondition_and_count`) and counted in the state's
