@@ -134,13 +134,13 @@ def _is_array(value: Any) -> bool:
 def _output_advice(value: Any) -> tuple[str, str]:
   """(its keys or fields, an ``outputs=`` selecting an array) for a
   non-array model output."""
-  if isinstance(value, dict):  # also Hugging Face's ModelOutput
-    key = next((k for k, v in value.items() if _is_array(v)), "logits")
-    return f"keys {list(value)}", f"outputs=lambda out: out[{key!r}]"
-  if dataclasses.is_dataclass(value):
+  if dataclasses.is_dataclass(value):  # also Hugging Face's ModelOutput
     names = [field.name for field in dataclasses.fields(value)]
     name = next((n for n in names if _is_array(getattr(value, n))), "logits")
     return f"fields {names}", f"outputs=lambda out: out.{name}"
+  if isinstance(value, dict):
+    key = next((k for k, v in value.items() if _is_array(v)), "logits")
+    return f"keys {list(value)}", f"outputs=lambda out: out[{key!r}]"
   if isinstance(value, (tuple, list)):
     return f"{len(value)} elements", "outputs=lambda out: out[0]"
   return repr(value), "outputs=lambda out: out.logits"

@@ -2,6 +2,9 @@
 no captured layer (diagonal fallback alone, against a brute force), and the
 errors for a model that K-FAC cannot call, each naming its real cause."""
 
+import collections
+import dataclasses
+
 import flax
 import flax.linen as nn
 import jax
@@ -19,11 +22,21 @@ PARAMS, BATCH = bf.tiny_problem()
 BATCH_FIX = "must have the structure of a training batch"
 
 
+class ModelOutput(collections.OrderedDict):
+  """Like Hugging Face's ModelOutput: a dataclass that is also a mapping of
+  its fields that are set."""
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      if getattr(self, field.name) is not None:
+        self[field.name] = getattr(self, field.name)
+
+
 @flax.struct.dataclass
-class Output:
-  """A model output like Hugging Face's ModelOutput: a pytree of arrays."""
-  hidden: jax.Array
-  logits: jax.Array
+class Output(ModelOutput):
+  """A pytree, as Hugging Face's Flax outputs are."""
+  hidden: jax.Array = None
+  logits: jax.Array = None
 
 
 class DictMLP(nn.Module):
