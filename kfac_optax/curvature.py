@@ -19,7 +19,7 @@ transformations; it is public for users who want the products themselves.
 import dataclasses
 import fnmatch
 import inspect
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import flax
 import jax
@@ -351,18 +351,17 @@ class Curvature:
       discovered = capture.discover(self.apply_fn, variables, args, call_kwargs,
                                     mutable)
     except Exception as error:  # re-raised with the fix named
-      if isinstance(params, dict) and "params" in params:
+      if isinstance(params, Mapping) and "params" in params:
         raise ValueError(
             "scale_by_kfac got the whole variables dict as params: pass the "
             "'params' collection, variables['params'] (other collections go "
             "in update(..., variables=...))") from error
       if _is_params_error(error):
+        missing = (" (a param of that module is missing from params)"
+                   if isinstance(error, flax.errors.InvalidRngError) else "")
         raise ValueError(
             f"the params do not match the model that apply_fn runs on {what}: "
-            f"{type(error).__name__}: {error}"
-            + (" (a param of that module is missing from params)"
-               if isinstance(error, flax.errors.InvalidRngError) else "")
-            + "\nFix: pass the 'params' "
+            f"{type(error).__name__}: {error}{missing}\nFix: pass the 'params' "
             "collection that this model's init returns (model.init(key, "
             "x)['params']), unchanged in structure and shapes; if they are, "
             f"{what}'s inputs have other shapes than the inputs the params "
