@@ -366,7 +366,8 @@ def kfac(
       ``"auto"``: None without a learning rate, else 0.9.
     inputs, outputs, damping, ema_decay, inverse_update_period,
     stats_update_period, estimation, inverse, num_samples, apply_kwargs,
-    layer_overrides, mesh: see `scale_by_kfac`. With ``adaptive_damping``, ``damping`` is the
+    layer_overrides, mesh:
+      see `scale_by_kfac`. With ``adaptive_damping``, ``damping`` is the
       initial λ.
     norm_constraint: c, None, or ``"auto"``: 1e-3 with a given learning
       rate, None without (the quadratic model already sizes the step).
