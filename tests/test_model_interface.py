@@ -278,19 +278,16 @@ def test_failure_under_capture_only_is_named():
   assert BATCH_FIX not in message
 
 
-class TwoTopLevelApplies(nn.Module):
-  """Two layers each run with their own .apply: both at the path ''."""
-
-  @nn.compact
-  def __call__(self, x):
-    square = {"kernel": jnp.eye(5), "bias": jnp.zeros(5)}
-    h = nn.Dense(5).apply({"params": square}, x)
-    return nn.Dense(3, use_bias=False).apply({"params": {"kernel": jnp.ones((5, 3))}}, h)
+def two_models(variables, x, **kwargs):
+  """An apply_fn that applies two models, each at the path ''."""
+  square = {"kernel": jnp.eye(5), "bias": jnp.zeros(5)}
+  h, _ = nn.Dense(5).apply({"params": square}, x, **kwargs)
+  return nn.Dense(3, use_bias=False).apply(variables, h, **kwargs)
 
 
 def test_layers_applied_at_the_top_level_are_named():
-  message = init_error(apply_fn=TwoTopLevelApplies().apply,
-                       params={"unused": jnp.zeros(1)})
+  message = init_error(apply_fn=two_models,
+                       params={"kernel": jnp.ones((5, 3))})
   assert message.startswith(
       "apply_fn runs on example_batch, but not under K-FAC's capture of its "
       "layers: ValueError: layer calls at the top-level path '' need different "
