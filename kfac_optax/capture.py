@@ -78,10 +78,19 @@ class _Interceptor:
 
   def _record(self, path: Path, layout: Any) -> None:
     if self.layouts.setdefault(path, layout) != layout:
+      layouts = f"({self.layouts[path]} and {layout})"
+      if not path:  # fresh .apply roots all share the path ''
+        raise ValueError(
+            "layer calls at the top-level path '' need different curvature "
+            f"layouts {layouts}: more than one module runs with its own "
+            ".apply (e.g. apply_fn applies two models, or applies a model "
+            "twice), and K-FAC keeps one block per module path.\nFix: make "
+            "apply_fn one model.apply, with every layer a submodule of that "
+            "model.")
       raise ValueError(
           f"the layer at {'/'.join(path)!r} is called with inputs that need "
-          f"different curvature layouts ({self.layouts[path]} and {layout}); "
-          "K-FAC keeps one block per module")
+          f"different curvature layouts {layouts}; K-FAC keeps one block per "
+          "module")
 
 
 class Discovered(NamedTuple):
@@ -100,12 +109,14 @@ class Discovered(NamedTuple):
       transform stacked them (e.g. the layer axis of nn.scan).
     perturbations: abstract (ShapeDtypeStruct) ``kfac_perturbations``
       collection, to be filled with zeros for `capture`.
+    outputs: the model's abstract return value.
   """
   layouts: dict[Path, Any]
   num_calls: dict[Path, int]
   other_methods: dict[Path, tuple[str, ...]]
   output_shapes: dict[Path, tuple[int, ...]]
   perturbations: Any
+  outputs: Any
 
 
 def hooked_apply(
@@ -147,7 +158,7 @@ def discover(
     mutable = [*mutable, INPUTS, PERTURBATIONS]
   interceptor = _Interceptor(found, shapes)
   # The inputs go through eval_shape as arguments: they may be ShapeDtypeStructs.
-  _, collections = jax.eval_shape(
+  outputs, collections = jax.eval_shape(
       lambda v, a: hooked_apply(apply_fn, a, apply_kwargs, mutable, interceptor)(v),
       variables, tuple(args))
   inputs = _by_method(collections.get(INPUTS, {}))
@@ -160,7 +171,8 @@ def discover(
       num_calls={path: len(calls) for path, calls in inputs.get(CALL, {}).items()},
       other_methods=other_methods,
       output_shapes=shapes,
-      perturbations=collections.get(PERTURBATIONS, {}))
+      perturbations=collections.get(PERTURBATIONS, {}),
+      outputs=outputs)
 
 
 def _by_method(collection: Any) -> dict[str, dict[Path, tuple[Any, ...]]]:

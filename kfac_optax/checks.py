@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -76,3 +77,27 @@ def ordered(low_name: str, low: Any, high_name: str, high: Any) -> None:
   high_name, high = _concrete(high_name, high)
   if low is not None and high is not None and not _as_number(low) <= _as_number(high):
     raise ValueError(f"{low_name} must be <= {high_name}, got {low!r} > {high!r}")
+
+
+def random_key(name: str, value: Any) -> None:
+  """``value`` is one jax.random key, typed or raw.
+
+  Accepted: a typed key of shape ``()`` (``jax.random.key(seed)``) and a raw
+  uint32 key of the default implementation's shape (``(2,)`` for threefry:
+  ``jax.random.PRNGKey(seed)``, or such a numpy array), traced or not.
+  Anything else (a Python int seed, a float or int32 array, a stack of keys)
+  would fail deep inside a sampling call, or silently reuse one key.
+  """
+  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+  if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    valid = shape == ()
+  else:
+    raw = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    valid = dtype == np.uint32 and tuple(shape) == raw.shape
+  if not valid:
+    got = (f"an array of shape {tuple(shape)} and dtype {dtype}" if dtype is not None
+           else f"{type(value).__name__} {value!r}")
+    raise TypeError(
+        f"{name} must be one jax.random key, jax.random.key(seed) (or a raw "
+        f"jax.random.PRNGKey(seed)), got {got}.\nFix: pass a fresh key each "
+        f"step, e.g. {name}=jax.random.fold_in(jax.random.key(0), step).")

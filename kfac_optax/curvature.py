@@ -18,8 +18,10 @@ transformations; it is public for users who want the products themselves.
 
 import dataclasses
 import fnmatch
-from typing import Any, Callable, NamedTuple
+import inspect
+from typing import Any, Callable, Mapping, NamedTuple
 
+import flax
 import jax
 import jax.numpy as jnp
 import optax
@@ -123,6 +125,63 @@ def _first_element(batch: Any) -> Any:
   return batch[0]
 
 
+_BATCH_FIX = (
+    "{what} must have the structure of a training batch, `inputs=` must map "
+    "it to apply_fn's positional input(s) (default batch[0]), constant call "
+    "keywords go in apply_kwargs=, and other variable collections (e.g. "
+    "batch_stats) in update(..., variables=...).")
+_CALLED_AS = (
+    "apply_fn(variables, *inputs(batch), mutable=..., rngs={'dropout': key}, "
+    "**apply_kwargs)")
+
+
+def _is_array(value: Any) -> bool:
+  return hasattr(value, "shape") and hasattr(value, "dtype")
+
+
+def _output_advice(value: Any) -> tuple[str, str]:
+  """(its keys or fields, an ``outputs=`` selecting an array) for a
+  non-array model output."""
+  if dataclasses.is_dataclass(value):  # also Hugging Face's ModelOutput
+    names = [field.name for field in dataclasses.fields(value)]
+    name = next((n for n in names if _is_array(getattr(value, n))), "logits")
+    return f"fields {names}", f"outputs=lambda out: out.{name}"
+  if isinstance(value, dict):
+    key = next((k for k, v in value.items() if _is_array(v)), "logits")
+    return f"keys {list(value)}", f"outputs=lambda out: out[{key!r}]"
+  if isinstance(value, (tuple, list)):
+    return f"{len(value)} elements", "outputs=lambda out: out[0]"
+  return repr(value), "outputs=lambda out: out.logits"
+
+
+def _check_signature(apply_fn: Callable[..., Any], variables: Any, args: tuple,
+                     call_kwargs: dict[str, Any]) -> None:
+  """apply_fn must accept the call K-FAC makes (flax's ``Module.apply`` does)."""
+  try:
+    signature = inspect.signature(apply_fn)
+  except (TypeError, ValueError):  # no signature to check (a C callable)
+    return
+  try:
+    signature.bind(variables, *args, mutable=False, **call_kwargs)
+  except TypeError as error:
+    raise TypeError(
+        f"apply_fn cannot be called the way K-FAC calls it, {_CALLED_AS}: "
+        f"{error}.\nFix: pass the flax apply function (model.apply), or a "
+        "function that accepts these arguments and passes them on, e.g. "
+        "lambda variables, *inputs, **kwargs: model.apply(variables, "
+        "*inputs, **kwargs).") from error
+
+
+def _is_params_error(error: Exception) -> bool:
+  """Flax's errors for a params tree that does not fit the model: a param
+  missing (with mutable collections flax tries to create it, and lacks a
+  'params' rng) or of another shape."""
+  return (isinstance(error, (flax.errors.ScopeParamNotFoundError,
+                             flax.errors.ScopeParamShapeError))
+          or (isinstance(error, flax.errors.InvalidRngError)
+              and '"params"' in str(error)))
+
+
 def _stack_shape(inside: tuple, outside: tuple, layer_params: dict) -> tuple:
   """Leading axes a lifted transform added that the layer's params share too.
 
@@ -206,6 +265,7 @@ class Curvature:
   apply_kwargs: dict[str, Any] | None = None
   layer_overrides: dict[str, str] | None = None
   mesh: jax.sharding.Mesh | None = None
+  outputs: Callable[[Any], Any] | None = None
   max_factor_dim: int | str | None = "auto"
 
   def __post_init__(self):
@@ -236,21 +296,50 @@ class Curvature:
 
   # -- the model ------------------------------------------------------------
 
-  def _model_args(self, batch: Any) -> tuple:
-    found = (self.inputs or _first_element)(batch)
+  def _model_args(self, batch: Any, what: str = "batch") -> tuple:
+    if self.inputs is None:
+      found = _first_element(batch)
+    else:
+      try:
+        found = self.inputs(batch)
+      except Exception as error:  # re-raised naming inputs= and the batch
+        raise ValueError(
+            f"inputs= could not read apply_fn's input from {what}: "
+            f"{type(error).__name__}: {error}\nFix: "
+            f"{_BATCH_FIX.format(what=what)}") from error
     return found if isinstance(found, tuple) else (found,)
 
   def _call_kwargs(self, rng: jax.Array | None) -> dict[str, Any]:
     key = jax.random.key(0) if rng is None else rng
     return {**(self.apply_kwargs or {}), "rngs": {"dropout": key}}
 
+  def _model_output(self, out: Any) -> jax.Array:
+    """The array the loss reads from apply_fn's return value (``outputs=``).
+
+    Raises:
+      TypeError: if it is not an array (a dict, a dataclass such as Hugging
+        Face's ``ModelOutput``, a tuple), naming ``outputs=``.
+    """
+    found = out if self.outputs is None else self.outputs(out)
+    if not _is_array(found):
+      source = ("outputs= returned" if self.outputs is not None
+                else "apply_fn returned")
+      content, hint = _output_advice(found)
+      raise TypeError(
+          f"{source} {type(found).__name__} ({content}), but the loss reads "
+          "one array of outputs.\nFix: pass outputs= to scale_by_kfac/kfac "
+          "(or Curvature), a function from apply_fn's return value to the array "
+          f"the loss reads, e.g. {hint}")
+    return found
+
   def forward(self, params: Any, batch: Any, variables: dict | None = None,
               rng: jax.Array | None = None) -> Any:
-    """The model output on ``batch`` (other collections' changes discarded)."""
+    """The model output on ``batch``, selected by ``outputs=`` (other
+    collections' changes discarded)."""
     variables = dict(variables or {})
     out = self.apply_fn({"params": params, **variables}, *self._model_args(batch),
                         mutable=list(variables) or False, **self._call_kwargs(rng))
-    return out[0] if variables else out
+    return self._model_output(out[0] if variables else out)
 
   def loss_value(self, params: Any, batch: Any, variables: dict | None = None,
                  rng: jax.Array | None = None) -> jax.Array:
@@ -262,24 +351,58 @@ class Curvature:
     return next((choice for pattern, choice in (self.layer_overrides or {}).items()
                  if fnmatch.fnmatchcase(name, pattern)), None)
 
-  def _plan(self, params, batch, variables, mutable, what) -> _Plan:
+  def _discover(self, params, batch, variables, mutable, what):
+    """`capture.discover` on ``batch``; a failure is re-raised naming its cause.
+
+    The cause is told apart by what fails: ``inputs=``, the calling
+    convention, the params (flax's missing or misshapen param errors), the
+    model itself on this batch, or only K-FAC's capture (the model runs
+    without the hooks).
+    """
+    args = self._model_args(batch, what)
+    call_kwargs = self._call_kwargs(None)
+    variables = {"params": params, **variables}
+    _check_signature(self.apply_fn, variables, args, call_kwargs)
     try:
-      discovered = capture.discover(
-          self.apply_fn, {"params": params, **variables}, self._model_args(batch),
-          self._call_kwargs(None), mutable)
+      discovered = capture.discover(self.apply_fn, variables, args, call_kwargs,
+                                    mutable)
     except Exception as error:  # re-raised with the fix named
-      if "params" in params:
+      if isinstance(params, Mapping) and "params" in params:
         raise ValueError(
             "scale_by_kfac got the whole variables dict as params: pass the "
             "'params' collection, variables['params'] (other collections go "
             "in update(..., variables=...))") from error
+      if _is_params_error(error):
+        missing = (" (a param of that module is missing from params)"
+                   if isinstance(error, flax.errors.InvalidRngError) else "")
+        raise ValueError(
+            f"the params do not match the model that apply_fn runs on {what}: "
+            f"{type(error).__name__}: {error}{missing}\nFix: pass the 'params' "
+            "collection that this model's init returns (model.init(key, "
+            "x)['params']), unchanged in structure and shapes; if they are, "
+            f"{what}'s inputs have other shapes than the inputs the params "
+            "were initialised with.") from error
+      try:
+        jax.eval_shape(lambda v, a: self.apply_fn(
+            v, *a, mutable=mutable, **call_kwargs), variables, args)
+      except Exception:  # the model fails on its own: the batch's structure
+        raise ValueError(
+            f"scale_by_kfac could not run apply_fn on {what}: "
+            f"{type(error).__name__}: {error}\nFix: "
+            f"{_BATCH_FIX.format(what=what)}") from error
+      fix = "" if "Fix:" in str(error) else (
+          "\nFix: a layer given to kfac_optax.register_layer must be "
+          "registered with the kind of its computation, and any captured "
+          "layer can be given the diagonal block with "
+          "layer_overrides={'its/path': 'diagonal'}.")
       raise ValueError(
-          f"scale_by_kfac could not run apply_fn on {what}: "
-          f"{type(error).__name__}: {error}\nFix: {what} must have the "
-          "structure of a training batch, `inputs=` must map it to "
-          "apply_fn's positional input(s) (default batch[0]), constant call "
-          "keywords go in apply_kwargs=, and other variable collections "
-          "(e.g. batch_stats) in update(..., variables=...).") from error
+          f"apply_fn runs on {what}, but not under K-FAC's capture of its "
+          f"layers: {type(error).__name__}: {error}{fix}") from error
+    jax.eval_shape(self._model_output, discovered.outputs)  # outputs= checked
+    return discovered
+
+  def _plan(self, params, batch, variables, mutable, what) -> _Plan:
+    discovered = self._discover(params, batch, variables, mutable, what)
     flat_params, _ = flatten(params)
     _check_real_floating(flat_params)
     perturbations = capture.by_layer(discovered.perturbations)
@@ -358,7 +481,8 @@ class Curvature:
       full = _rebuild(treedef, {**flat_params, **paths})
       outputs, collections = run(
           {"params": full, **variables, capture.PERTURBATIONS: perturbations})
-      return outputs, collections[capture.INPUTS]
+      # No captured layer (every param in the fallback): no kfac_inputs.
+      return self._model_output(outputs), collections.get(capture.INPUTS, {})
 
     captured = capture.capture(
         model,

@@ -24,6 +24,7 @@ from kfac_optax import losses
 from kfac_optax import summary
 from kfac_optax.curvature import Curvature
 from kfac_optax.curvature import ScaleByKFACState
+from kfac_optax.curvature import flatten
 
 _NAN = float("nan")
 # Chosen from the stability suite (benchmarks/STABILITY.md): with a given
@@ -38,7 +39,7 @@ def _value_at(hyperparameter: Any, count: jax.Array) -> jax.Array:
   return hyperparameter(count) if callable(hyperparameter) else hyperparameter
 
 
-def _check_update_args(curvature: Curvature, batch, params, rng, name: str):
+def _check_update_args(curvature: Curvature, grads, batch, params, rng, name: str):
   if batch is None:
     raise TypeError(
         f"{name}'s update needs the training batch: call "
@@ -47,11 +48,32 @@ def _check_update_args(curvature: Curvature, batch, params, rng, name: str):
   if params is None:
     raise TypeError(f"{name}'s update needs params: "
                     "tx.update(grads, state, params, batch=batch, rng=rng)")
+  _check_grads_fit(grads, params, name)
   if curvature.estimation in ("fisher", "curvature_prop") and rng is None:
     raise TypeError(
         f'estimation="{curvature.estimation}" draws random output gradients '
         "and needs rng=: pass a fresh jax.random key each step (or use "
         'estimation="empirical" or "exact")')
+  if rng is not None:
+    checks.random_key("rng", rng)
+
+
+def _check_grads_fit(grads, params, name: str) -> None:
+  """The gradients must be params-shaped: same leaves, same shapes."""
+  flat_grads, flat_params = flatten(grads)[0], flatten(params)[0]
+  wrong = []
+  for path in {**flat_params, **flat_grads}:
+    shapes = [tuple(jnp.shape(tree[path])) if path in tree else "missing"
+              for tree in (flat_grads, flat_params)]
+    if shapes[0] != shapes[1]:
+      wrong.append(f"{'/'.join(path)}: {shapes[0]} vs {shapes[1]}")
+  if wrong:
+    raise ValueError(
+        f"{name}'s update got grads that do not match params (grads shape vs "
+        f"params shape): {'; '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}."
+        "\nFix: pass the gradients of these params, tx.update(grads, state, "
+        "params, ...) with grads = jax.grad(loss_fn)(params): the same tree "
+        "and shapes as params.")
 
 
 def _curvature_of(arguments: dict[str, Any]) -> Curvature:
@@ -91,6 +113,7 @@ def scale_by_kfac(
     *,
     example_batch: Any,
     inputs: Callable[[Any], Any] | None = None,
+    outputs: Callable[[Any], Any] | None = None,
     damping: optax.ScalarOrSchedule = DEFAULT_DAMPING,
     ema_decay: float = 0.95,
     inverse_update_period: int = 5,
@@ -137,7 +160,15 @@ def scale_by_kfac(
     example_batch: a batch (or tree of ``jax.ShapeDtypeStruct``) with the
       structure of a training batch; traced once in ``init`` to find layers.
     inputs: batch -> apply_fn's positional input (or tuple of them);
-      default ``batch[0]`` for tuple/list batches.
+      default ``batch[0]`` for tuple/list batches. ``apply_fn`` is called as
+      ``apply_fn({"params": params, **variables}, *inputs(batch),
+      mutable=..., rngs={"dropout": key}, **apply_kwargs)``.
+    outputs: apply_fn's return value -> the array the loss reads, for models
+      that return a dict or a dataclass (e.g. ``lambda out: out["logits"]``,
+      or ``lambda out: out.logits`` for a Hugging Face ``ModelOutput``);
+      default: the return value itself, which must then be an array. Used
+      wherever K-FAC runs the model (statistics, the quadratic model, exact
+      products).
     damping: Tikhonov λ > 0 (``F + λI``), a float or a schedule of the
       count. A refresh whose λ is not positive and finite (a schedule that
       reaches 0, an injected value) keeps the previous inverses and is
@@ -185,7 +216,10 @@ def scale_by_kfac(
     ``(grads, state, params, *, batch, rng=None, variables=None)``. ``variables``
     holds other collections the model needs (e.g. ``{"batch_stats": ...}``);
     they are mutable in K-FAC's pass and its changes to them are discarded.
-    ``rng`` also seeds the ``"dropout"`` stream of K-FAC's pass.
+    ``rng`` also seeds the ``"dropout"`` stream of K-FAC's pass; it must be
+    one key (``jax.random.key`` or a raw ``jax.random.PRNGKey``), and
+    ``grads`` must have the params' tree and shapes (else a ``TypeError``
+    or ``ValueError`` naming the argument).
     Updates are computed in float32 (float64 for float64 params) and
     returned in the gradients' dtype; one that would not fit it is scaled
     down (see `Curvature.precondition_and_count`) and counted in the state's
@@ -216,7 +250,7 @@ def scale_by_kfac(
   def update_fn(updates, state, params=None, *, batch=None, rng=None,
                 variables=None, **extra_args):
     del extra_args  # optax.chain forwards every member's keywords
-    _check_update_args(curvature, batch, params, rng, "scale_by_kfac")
+    _check_update_args(curvature, updates, batch, params, rng, "scale_by_kfac")
 
     def precondition(updates, state, params, batch, variables, rng):
       state = curvature.update(state, params, batch=batch, rng=rng,
@@ -281,6 +315,7 @@ def kfac(
     learning_rate: optax.ScalarOrSchedule | None = None,
     momentum: optax.ScalarOrSchedule | str | None = "auto",
     inputs: Callable[[Any], Any] | None = None,
+    outputs: Callable[[Any], Any] | None = None,
     damping: optax.ScalarOrSchedule = DEFAULT_DAMPING,
     ema_decay: float = 0.95,
     inverse_update_period: int = 5,
@@ -347,10 +382,11 @@ def kfac(
       mode: chosen by the quadratic model).
     momentum: a float, a schedule, None (chosen by the quadratic model), or
       ``"auto"``: None without a learning rate, else 0.9.
-    inputs, damping, ema_decay, inverse_update_period, stats_update_period,
-    estimation, inverse, num_samples, apply_kwargs, layer_overrides, mesh,
-    max_factor_dim: see `scale_by_kfac`. With ``adaptive_damping``,
-      ``damping`` is the initial λ.
+    inputs, outputs, damping, ema_decay, inverse_update_period,
+    stats_update_period, estimation, inverse, num_samples, apply_kwargs,
+    layer_overrides, mesh, max_factor_dim:
+      see `scale_by_kfac`. With ``adaptive_damping``, ``damping`` is the
+      initial λ.
     norm_constraint: c, None, or ``"auto"``: 1e-3 with a given learning
       rate, None without (the quadratic model already sizes the step).
     adaptive_damping: adapt λ by the Levenberg-Marquardt rule; None: when
@@ -414,7 +450,7 @@ def kfac(
   def update_fn(grads, state, params=None, *, batch=None, rng=None,
                 variables=None, **extra_args):
     del extra_args
-    _check_update_args(curvature, batch, params, rng, "kfac")
+    _check_update_args(curvature, grads, batch, params, rng, "kfac")
     return _with_auto_axes(step, grads, state, params, batch,
                            dict(variables or {}), rng)
 
