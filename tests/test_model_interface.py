@@ -148,7 +148,8 @@ def test_model_without_captured_layers_gets_the_diagonal_fallback(estimation):
   params = model.init(jax.random.key(3), BATCH[0])["params"]
   tx = kfac_optax.scale_by_kfac(model.apply, LOSS, example_batch=BATCH,
                                 estimation=estimation, damping=1e-3)
-  state = tx.init(params)
+  with pytest.warns(kfac_optax.FallbackWarning, match="100% of the parameters"):
+    state = tx.init(params)
   assert list(state.factors) == ["<diagonal>"]
   vector = jax.tree.map(lambda v: jax.random.normal(jax.random.key(4), v.shape), params)
   update, state = tx.update(vector, state, params, batch=BATCH)
@@ -171,7 +172,8 @@ def test_model_without_captured_layers_trains():
   params = model.init(jax.random.key(3), BATCH[0])["params"]
   loss_fn = lambda p: LOSS.value(model.apply({"params": p}, BATCH[0]), BATCH)
   tx = kfac_optax.kfac(model.apply, LOSS, example_batch=BATCH, learning_rate=0.1)
-  state = tx.init(params)
+  with pytest.warns(kfac_optax.FallbackWarning):
+    state = tx.init(params)
 
   @jax.jit
   def step(params, state, rng):
@@ -197,7 +199,8 @@ def test_nnx_bridge_model_runs_on_the_diagonal_fallback():
   params = model.init(jax.random.key(0), BATCH[0])["params"]
   tx = kfac_optax.scale_by_kfac(model.apply, LOSS, example_batch=BATCH,
                                 estimation="empirical")
-  state = tx.init(params)
+  with pytest.warns(kfac_optax.FallbackWarning, match="'layer'"):
+    state = tx.init(params)
   assert sorted(state.factors["<diagonal>"]) == ["layer/bias", "layer/kernel"]
   update, _ = tx.update(params, state, params, batch=BATCH)
   assert all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree.leaves(update))
