@@ -1,5 +1,6 @@
 """K-FAC (Kronecker-factored approximate curvature) as an optax transformation."""
 
+from kfac_optax import layouts
 from kfac_optax import losses
 from kfac_optax import sharding
 from kfac_optax.adaptive import norm_constraint
@@ -20,6 +21,7 @@ __all__ = [
     "ScaleByKFACState",
     "TrainState",
     "kfac",
+    "layouts",
     "losses",
     "norm_constraint",
     "register_layer",

@@ -66,7 +66,8 @@ class KroneckerBlock:
   ``U = (A + π√λ I)⁻¹ V (G + √λ/π I)⁻¹``, independently per stack slice.
 
   Attributes:
-    layout: maps the layer's arrays to rows and matrices (see `layouts`).
+    layout: maps the layer's arrays to rows and matrices (see `layouts`),
+      and names its kernel and bias leaves.
     has_bias: whether the layer has a bias (adds the homogeneous coordinate).
   """
 
@@ -75,7 +76,8 @@ class KroneckerBlock:
 
   @property
   def param_names(self) -> tuple[str, ...]:
-    return ("kernel", "bias") if self.has_bias else ("kernel",)
+    names = (self.layout.kernel_name, self.layout.bias_name)
+    return names if self.has_bias else names[:1]
 
   def init(self) -> tuple[KroneckerFactors, KroneckerFactors]:
     """Zero statistics and identity "inverses" (used until the first refresh)."""
@@ -166,17 +168,18 @@ class KroneckerBlock:
                             linalg.Damped(factors.g, damping_g))
 
   def precondition(self, inverses: KroneckerFactors, grads: dict) -> dict:
-    """Maps ``{"kernel": ∇W[, "bias": ∇b]}`` to its preconditioned leaves,
-    in the inverses' dtype."""
+    """Maps ``{kernel: ∇W[, bias: ∇b]}`` (leaves by `param_names`) to its
+    preconditioned leaves, in the inverses' dtype."""
     layout, dtype = self.layout, inverses.a.dtype
-    stacked = layout.kernel_matrix(grads["kernel"].astype(dtype))
-    if self.has_bias:
-      bias = layout.bias_matrix(grads["bias"].astype(dtype))
-      stacked = jnp.concatenate([stacked, bias[:, None]], 1)
+    kernel, *bias = self.param_names
+    stacked = layout.kernel_matrix(grads[kernel].astype(dtype))
+    if bias:
+      stacked = jnp.concatenate(
+          [stacked, layout.bias_matrix(grads[bias[0]].astype(dtype))[:, None]], 1)
     result = inverses.a @ stacked @ inverses.g
-    out = {"kernel": layout.kernel_from_matrix(result[:, :layout.in_dim])}
-    if self.has_bias:
-      out["bias"] = layout.bias_from_matrix(result[:, layout.in_dim])
+    out = {kernel: layout.kernel_from_matrix(result[:, :layout.in_dim])}
+    if bias:
+      out[bias[0]] = layout.bias_from_matrix(result[:, layout.in_dim])
     return out
 
 
@@ -422,4 +425,4 @@ def _unstacked_block(layout: Any, layer_params: dict, other_methods: tuple) -> A
     return EmbeddingBlock(layout, tied="attend" in other_methods)
   if isinstance(layout, layouts.NormLayout):
     return NormBlock({k: v.shape for k, v in layer_params.items()}, layout)
-  return KroneckerBlock(layout, "bias" in layer_params)
+  return KroneckerBlock(layout, layout.bias_name in layer_params)

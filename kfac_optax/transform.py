@@ -96,6 +96,7 @@ def scale_by_kfac(
     num_samples: int = 1,
     apply_kwargs: dict[str, Any] | None = None,
     layer_overrides: dict[str, str] | None = None,
+    tied_embeddings: dict[str, str] | None = None,
     mesh: jax.sharding.Mesh | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Preconditions gradients with K-FAC's damped Kronecker-factored Fisher.
@@ -157,6 +158,13 @@ def scale_by_kfac(
       the first matching pattern wins. ``"skip"`` leaves the layer's
       gradients unpreconditioned; ``"diagonal"`` gives its params the
       diagonal block instead of their structured one.
+    tied_embeddings: ``{call path: embedding path}`` for a layer call that
+      computes logits with an ``nn.Embed``'s table transposed through a
+      submodule's own ``.apply`` (Hugging Face's ``tie_word_embeddings``:
+      ``self.lm_head.apply({"params": {"kernel": wte.T}}, h)`` is
+      ``{"lm_head": "transformer/wte"}``): its statistics join the
+      embedding's block as a tied ``attend`` use. Such a call has no params
+      of its own; undeclared, it gets no block and ``init`` warns, naming it.
     mesh: devices to spread the inverse refresh over. Factor matrices of
       similar size are stacked (`linalg.invert_all`) and each stack is split
       over all mesh axes, so each of N devices inverts about 1/N of them,
@@ -273,6 +281,7 @@ def kfac(
     num_samples: int = 1,
     apply_kwargs: dict[str, Any] | None = None,
     layer_overrides: dict[str, str] | None = None,
+    tied_embeddings: dict[str, str] | None = None,
     mesh: jax.sharding.Mesh | None = None,
     norm_constraint: float | str | None = "auto",
     adaptive_damping: bool | None = None,
@@ -330,7 +339,8 @@ def kfac(
     momentum: a float, a schedule, None (chosen by the quadratic model), or
       ``"auto"``: None without a learning rate, else 0.9.
     inputs, damping, ema_decay, inverse_update_period, stats_update_period,
-    estimation, inverse, num_samples, apply_kwargs, layer_overrides, mesh:
+    estimation, inverse, num_samples, apply_kwargs, layer_overrides,
+    tied_embeddings, mesh:
       see `scale_by_kfac`. With ``adaptive_damping``, ``damping`` is the
       initial λ.
     norm_constraint: c, None, or ``"auto"``: 1e-3 with a given learning
