@@ -19,6 +19,7 @@ import optax
 import pytest
 
 import kfac_optax
+from examples.gpt2_hf_style import FlaxConv1D as Conv1D  # Hugging Face's layout
 from kfac_optax import layers
 from tests import brute_force as bf
 from tests.test_layers import DAMPING, LOSS, assert_block, dense_reference, f64
@@ -26,21 +27,6 @@ from tests.test_layers import random_tree, summed_nll
 
 VOCAB, WIDTH, HIDDEN, N, T = 7, 4, 6, 3, 5
 TIED = {"lm_head": "transformer/wte"}
-
-
-class Conv1D(nn.Module):
-  """Hugging Face's FlaxConv1D: kernel (features, in_features), y = x kernelᵀ + b."""
-  features: int
-  use_bias: bool = True
-
-  @nn.compact
-  def __call__(self, inputs):
-    kernel = self.param("kernel", nn.initializers.normal(0.5),
-                        (self.features, inputs.shape[-1]))
-    y = jax.lax.dot_general(inputs, kernel.T, (((inputs.ndim - 1,), (0,)), ((), ())))
-    if self.use_bias:
-      y = y + self.param("bias", nn.initializers.normal(0.5), (self.features,))
-    return y
 
 
 class Block(nn.Module):
@@ -319,7 +305,7 @@ def test_wrong_tied_embeddings_are_init_errors(registry, tied, message):
 @pytest.mark.parametrize("args, kwargs, error, message", [
     ((Conv1D(3), "dense"), {}, TypeError,
      "register_layer's module_class must be a flax nn.Module subclass (the "
-     "class, not an instance), got Conv1D("),
+     "class, not an instance), got FlaxConv1D("),
     ((Conv1D, "linear"), {}, ValueError,
      "register_layer: unknown kind 'linear'; built-in kinds: ['conv', 'dense', "
      "'dense_general', 'embed', 'norm'], or pass a layout function"),
