@@ -185,13 +185,13 @@ def _check_layer_params(path: Path, layout: Any, layer_params: dict,
         f"diagonal block with layer_overrides={{{name!r}: 'diagonal'}}.")
 
 
-def _tied_calls(tied_embeddings: dict[str, str], found: dict[Path, Any],
+def _tied_calls(tied_embeddings: dict[str, str], discovered: capture.Discovered,
                 flat_params: dict[Path, Any]) -> dict[Path, tuple[Path, ...]]:
   """``tied_embeddings`` checked: {embedding path: paths of its tied calls}."""
   tied: dict[Path, tuple[Path, ...]] = {}
   for source, target in tied_embeddings.items():
     call, table = tuple(source.split("/")), tuple(target.split("/"))
-    embedding, layout = found.get(table), found.get(call)
+    embedding, layout = discovered.layouts.get(table), discovered.layouts.get(call)
     fix = ("tied_embeddings maps the path of a layer call that computes "
            "logits h Eᵀ with an embedding's table E (e.g. Hugging Face's "
            "lm_head.apply({'params': {'kernel': wte.T}}, h): 'lm_head') to that "
@@ -199,7 +199,8 @@ def _tied_calls(tied_embeddings: dict[str, str], found: dict[Path, Any],
     if not isinstance(embedding, layouts.EmbeddingLayout):
       raise ValueError(f"tied_embeddings[{source!r}] = {target!r} is not a captured "
                        f"nn.Embed; {fix}")
-    if layout is None or any(key[:-1] == call for key in flat_params):
+    if (call not in discovered.num_calls
+        or any(key[:-1] == call for key in flat_params)):
       raise ValueError(
           f"tied_embeddings: {source!r} is not a captured layer call without "
           f"params of its own; {fix}. init's warning names those calls.")
@@ -362,7 +363,7 @@ class Curvature:
     flat_params, _ = flatten(params)
     _check_real_floating(flat_params)
     perturbations = capture.by_layer(discovered.perturbations)
-    tied = _tied_calls(self.tied_embeddings or {}, discovered.layouts, flat_params)
+    tied = _tied_calls(self.tied_embeddings or {}, discovered, flat_params)
     layers, owned, unowned = {}, set(), {}
     for path, layout in discovered.layouts.items():
       override = self._override_for(path)
