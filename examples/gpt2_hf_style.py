@@ -21,6 +21,8 @@ The text is CPython's pydoc help topics (see ``transformer_lm.py``): a
 character-level model, every position a loss term. Both optimizers start
 from the same parameters and see the same windows. The script prints the
 K-FAC blocks found, the loss every few steps, and the final losses.
+``--compare-fallback`` adds K-FAC with the projections on the diagonal
+block, which is what they get without ``register_layer``.
 
 From the repository root::
 
@@ -173,6 +175,9 @@ def parse_args(argv=None):
   parser.add_argument("--adam-lr", type=float, default=3e-3)
   parser.add_argument("--print-every", type=int, default=None,
                       help="print the losses every this many steps")
+  parser.add_argument("--compare-fallback", action="store_true",
+                      help="also train K-FAC with the FlaxConv1D projections on "
+                      "the diagonal block, as they are without register_layer")
   parser.add_argument("--quick", action="store_true",
                       help="smoke test: a tiny model, a few steps")
   args = parser.parse_args(argv)
@@ -187,9 +192,9 @@ def parse_args(argv=None):
   return args
 
 
-def print_kfac_blocks(opt_state):
+def print_kfac_blocks(name, opt_state):
   """Each K-FAC block (module path) with its factor shapes."""
-  print("K-FAC blocks (factor shapes):")
+  print(f"{name} blocks (factor shapes):")
   for key, factors in opt_state.curvature.factors.items():
     print(f"  {key:32s} {jax.tree.map(jnp.shape, factors)}")
 
@@ -221,6 +226,12 @@ def main(argv=None):
           tied_embeddings={"lm_head": "transformer/wte"}),
       "Adam": optax.adam(args.adam_lr),
   }
+  if args.compare_fallback:
+    optimizers["K-FAC diag"] = kfac_optax.kfac(
+        model.apply, loss, example_batch=example_batch,
+        learning_rate=args.kfac_lr, damping=args.kfac_damping,
+        inverse_update_period=1, tied_embeddings={"lm_head": "transformer/wte"},
+        layer_overrides={"transformer/h/*/c_*": "diagonal"})
   order = mlp_classifier.batch_order(
       len(train_ids) - args.seq_len, args.batch_size, args.steps, args.seed)
   step_fn = mlp_classifier.make_train_step(loss)
@@ -231,17 +242,17 @@ def main(argv=None):
   curves, validation = {}, {}
   for name, tx in optimizers.items():
     state = kfac_optax.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-    if name == "K-FAC":
-      print_kfac_blocks(state.opt_state)
+    if name.startswith("K-FAC"):
+      print_kfac_blocks(name, state.opt_state)
     state = jax.tree.map(jnp.copy, state)  # the step donates its state
     state, curves[name], _ = transformer_lm.train(
         name, state, step_fn, train_ids, order, args.seq_len, args.seed)
     validation[name] = evaluate(state.params, validation_ids, eval_starts)
 
   print(f"\ntraining loss (uniform guess: {math.log(len(vocab)):.3f} nats)")
-  print(f"{'step':>6} " + " ".join(f"{name:>8}" for name in curves))
+  print(f"{'step':>6} " + " ".join(f"{name:>10}" for name in curves))
   for step in sorted({*range(0, args.steps, args.print_every), args.steps - 1}):
-    print(f"{step:6d} " + " ".join(f"{c[step]:8.4f}" for c in curves.values()))
+    print(f"{step:6d} " + " ".join(f"{c[step]:10.4f}" for c in curves.values()))
   print("validation loss: " + ", ".join(f"{n} {v:.4f}" for n, v in validation.items()))
   return curves, validation
 

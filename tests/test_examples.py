@@ -22,7 +22,7 @@ def test_mlp_classifier_quick_run(tmp_path):
 def test_gpt2_hf_style_quick_run(capsys):
   curves, validation = gpt2_hf_style.main(["--quick"])
   printed = capsys.readouterr().out
-  assert "transformer/h/0/attn/c_attn" in printed  # a Kronecker block, not the fallback
+  assert "transformer/h/0/attn/c_attn  " in printed  # a Kronecker block, not the fallback
   assert "<diagonal>" not in printed
   assert set(curves) == set(validation) == {"K-FAC", "Adam"}
   for name, losses in curves.items():
