@@ -1,5 +1,6 @@
 """K-FAC (Kronecker-factored approximate curvature) as an optax transformation."""
 
+from kfac_optax import layouts
 from kfac_optax import losses
 from kfac_optax import sharding
 from kfac_optax import summary
@@ -25,6 +26,7 @@ __all__ = [
     "TrainState",
     "describe",
     "kfac",
+    "layouts",
     "losses",
     "norm_constraint",
     "register_layer",

@@ -98,7 +98,8 @@ class KroneckerBlock:
   (``tr diag(A) = tr A``); so a layer gets the same ``π`` either way.
 
   Attributes:
-    layout: maps the layer's arrays to rows and matrices (see `layouts`).
+    layout: maps the layer's arrays to rows and matrices (see `layouts`),
+      and names its kernel and bias leaves.
     has_bias: whether the layer has a bias (adds the homogeneous coordinate).
     diagonal_input: keep ``A`` as its diagonal.
     diagonal_output: keep ``G`` as its diagonal.
@@ -111,7 +112,8 @@ class KroneckerBlock:
 
   @property
   def param_names(self) -> tuple[str, ...]:
-    return ("kernel", "bias") if self.has_bias else ("kernel",)
+    names = (self.layout.kernel_name, self.layout.bias_name)
+    return names if self.has_bias else names[:1]
 
   def init(self) -> tuple[KroneckerFactors, KroneckerFactors]:
     """Zero statistics and identity "inverses" (used until the first refresh)."""
@@ -203,22 +205,23 @@ class KroneckerBlock:
                             damped(self.diagonal_output)(factors.g, damping_g))
 
   def precondition(self, inverses: KroneckerFactors, grads: dict) -> dict:
-    """Maps ``{"kernel": ∇W[, "bias": ∇b]}`` to its preconditioned leaves,
-    in the inverses' dtype."""
+    """Maps ``{kernel: ∇W[, bias: ∇b]}`` (leaves by `param_names`) to its
+    preconditioned leaves, in the inverses' dtype."""
     layout, dtype = self.layout, inverses.a.dtype
-    stacked = layout.kernel_matrix(grads["kernel"].astype(dtype))
-    if self.has_bias:
-      bias = layout.bias_matrix(grads["bias"].astype(dtype))
-      stacked = jnp.concatenate([stacked, bias[:, None]], 1)
+    kernel, *bias = self.param_names
+    stacked = layout.kernel_matrix(grads[kernel].astype(dtype))
+    if bias:
+      stacked = jnp.concatenate(
+          [stacked, layout.bias_matrix(grads[bias[0]].astype(dtype))[:, None]], 1)
     if self.diagonal_input:  # diag(a) @ V scales V's rows
       stacked = inverses.a[:, :, None] * stacked
     else:
       stacked = inverses.a @ stacked
     result = (stacked * inverses.g[:, None, :] if self.diagonal_output
               else stacked @ inverses.g)
-    out = {"kernel": layout.kernel_from_matrix(result[:, :layout.in_dim])}
-    if self.has_bias:
-      out["bias"] = layout.bias_from_matrix(result[:, layout.in_dim])
+    out = {kernel: layout.kernel_from_matrix(result[:, :layout.in_dim])}
+    if bias:
+      out[bias[0]] = layout.bias_from_matrix(result[:, layout.in_dim])
     return out
 
 
@@ -478,7 +481,7 @@ def _unstacked_block(layout: Any, layer_params: dict, other_methods: tuple,
     return EmbeddingBlock(layout, tied="attend" in other_methods)
   if isinstance(layout, layouts.NormLayout):
     return NormBlock({k: v.shape for k, v in layer_params.items()}, layout)
-  has_bias = "bias" in layer_params
+  has_bias = layout.bias_name in layer_params
   if structure is None:
     too_large = lambda size: max_factor_dim is not None and size > max_factor_dim
     diagonal = too_large(layout.in_dim + has_bias), too_large(layout.out_dim)

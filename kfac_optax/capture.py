@@ -14,8 +14,15 @@ A layer kind may name other methods to capture the same way (``nn.Embed``'s
 method name (``kfac_in_attend``, ``kfac_attend_out_0``).
 
 Both travel as flax collections, never Python lists, so they follow the
-module through lifted transforms the way any other variable does. This module
-knows nothing about curvature blocks or inverses.
+module through lifted transforms the way any other variable does.
+
+A layer run with its own ``.apply`` inside the model (Hugging Face's tied LM
+head: ``self.lm_head.apply({"params": {"kernel": wte.T}}, h)``) is a fresh
+flax root whose collections are discarded. Its entries go to the calling
+module's scope instead, under the layer's name (path ``caller/lm_head``), as
+if it were an ordinary submodule call; its params are not leaves of the
+model's params tree (see `curvature`). This module knows nothing about
+curvature blocks or inverses.
 """
 
 import re
@@ -45,6 +52,10 @@ def _output_name(method: str, call: int) -> str:
   return f"kfac_out_{call}" if method == CALL else f"kfac_{method}_out_{call}"
 
 
+class _Sink(nn.Module):
+  """Holds a detached layer's entries in its caller's scope."""
+
+
 class _Interceptor:
   """Hooks every captured layer call; optionally records layouts by path."""
 
@@ -53,13 +64,35 @@ class _Interceptor:
     self.layouts = found_layouts
     self.output_shapes = output_shapes
     self.busy = False  # a kind's own helper calls are not layer calls
+    self.callers: list[nn.Module] = []  # modules whose methods are running
 
   def __call__(self, next_fun, args, kwargs, context):
+    self.callers.append(context.module)
+    try:
+      return self._intercept(next_fun, args, kwargs, context)
+    finally:
+      self.callers.pop()
+
+  def _owner(self, module: nn.Module) -> nn.Module:
+    """Where a layer's entries go: itself, or for a layer run with its own
+    ``.apply`` inside the model (a root scope without K-FAC's collections),
+    a stand-in named like it in the scope of the module that called it."""
+    if module.path or module.is_mutable_collection(INPUTS):
+      return module
+    caller = next((c for c in reversed(self.callers[:-1])
+                   if c.scope is not None and c.is_mutable_collection(INPUTS)), None)
+    if caller is None:
+      return module
+    name = module.name or type(module).__name__
+    return _Sink(parent=caller.scope.push(name, reuse=True))
+
+  def _intercept(self, next_fun, args, kwargs, context):
     module, method = context.module, context.method_name
     kind = layers.kind_of(module)
     if self.busy or kind is None or method not in (CALL, *kind.extra_methods):
       return next_fun(*args, **kwargs)
-    previous_calls = module.get_variable(INPUTS, _input_name(method), ())
+    owner = self._owner(module)
+    previous_calls = owner.get_variable(INPUTS, _input_name(method), ())
     output = next_fun(*args, **kwargs)
     if method == CALL:
       self.busy = True
@@ -69,12 +102,12 @@ class _Interceptor:
         self.busy = False
     else:  # other methods record their first argument
       captured = args[0] if args else next(iter(kwargs.values()))
-    module.sow(INPUTS, _input_name(method), captured)
+    owner.sow(INPUTS, _input_name(method), captured)
     if self.layouts is not None and method == CALL:
-      self._record(tuple(module.path), kind.layout(module, captured, output))
-      self.output_shapes[tuple(module.path)] = jnp.shape(output)
-    return module.perturb(_output_name(method, len(previous_calls)), output,
-                          collection=PERTURBATIONS)
+      self._record(tuple(owner.path), kind.layout(module, captured, output))
+      self.output_shapes[tuple(owner.path)] = jnp.shape(output)
+    return owner.perturb(_output_name(method, len(previous_calls)), output,
+                         collection=PERTURBATIONS)
 
   def _record(self, path: Path, layout: Any) -> None:
     if self.layouts.setdefault(path, layout) != layout:

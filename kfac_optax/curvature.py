@@ -20,6 +20,7 @@ import dataclasses
 import fnmatch
 import inspect
 from typing import Any, Callable, Mapping, NamedTuple
+import warnings
 
 import flax
 import jax
@@ -29,6 +30,7 @@ import optax
 from kfac_optax import blocks
 from kfac_optax import capture
 from kfac_optax import checks
+from kfac_optax import layouts
 from kfac_optax import linalg
 from kfac_optax import losses
 from kfac_optax import sharding
@@ -87,6 +89,8 @@ class _Plan(NamedTuple):
   fallback: blocks.DiagonalBlock | None  # over leaves no layer block owns
   fallback_paths: dict[str, Path]        # fallback leaf key -> leaf path
   perturbations: Any                     # abstract kfac_perturbations
+  tied: dict[Path, tuple[Path, ...]]     # embedding -> calls of its table
+  unowned: dict[Path, Any]               # call -> layout: no params leaves, no block
 
   def all_blocks(self) -> dict[str, Any]:
     found = {key: block for key, (_, block) in self.layers.items()}
@@ -214,6 +218,92 @@ def _check_real_floating(flat_params: dict[Path, Any]) -> None:
         "weight as two real params (its real and imaginary parts).")
 
 
+def _check_layer_params(path: Path, layout: Any, layer_params: dict,
+                        stack_shape: tuple) -> None:
+  """A captured Dense-like or Conv-like layer's kernel and bias must be params
+  of the shapes its captured input and output need: never reshaped to fit."""
+  if not hasattr(layout, "kernel_shape"):
+    return
+  name = _key(path) or "<root>"
+  if layout.kernel_name not in layer_params:
+    raise ValueError(
+        f"the layer at {name!r} has no kernel param {layout.kernel_name!r} (its "
+        f"params: {sorted(layer_params)}).\nFix: name the layer's params in its "
+        "registration, e.g. kfac_optax.register_layer(TheLayer, 'dense', "
+        "kernel='weight', bias='bias'), or give it the diagonal block with "
+        f"layer_overrides={{{name!r}: 'diagonal'}}.")
+  expected = {layout.kernel_name: layout.kernel_shape}
+  if layout.bias_name in layer_params:
+    expected[layout.bias_name] = layout.bias_shape
+  for param, shape in expected.items():
+    actual = tuple(jnp.shape(layer_params[param]))[len(stack_shape):]
+    if actual == tuple(shape):
+      continue
+    order = getattr(layout, "kernel_order", "in_out")
+    other = {"in_out": "out_in", "out_in": "in_out"}[order]
+    raise ValueError(
+        f"the layer at {name!r} has param {param!r} of shape {actual}, but its "
+        f"captured input and output (in_dim={layout.in_dim}, out_dim="
+        f"{layout.out_dim}) need {tuple(shape)} with kernel_layout={order!r}; "
+        "K-FAC never reshapes a kernel to fit.\nFix: register the layer with "
+        "the layout its kernel is stored in, e.g. kfac_optax.register_layer("
+        f"TheLayer, 'dense', kernel_layout={other!r}) for a kernel stored "
+        f"{'(out, in)' if other == 'out_in' else '(in, out)'}, or give it the "
+        f"diagonal block with layer_overrides={{{name!r}: 'diagonal'}}.")
+
+
+def _tied_calls(tied_embeddings: dict[str, str], discovered: capture.Discovered,
+                flat_params: dict[Path, Any]) -> dict[Path, tuple[Path, ...]]:
+  """``tied_embeddings`` checked: {embedding path: paths of its tied calls}."""
+  tied: dict[Path, tuple[Path, ...]] = {}
+  for source, target in tied_embeddings.items():
+    call, table = tuple(source.split("/")), tuple(target.split("/"))
+    embedding, layout = discovered.layouts.get(table), discovered.layouts.get(call)
+    fix = ("tied_embeddings maps the path of a layer call that computes "
+           "logits h Eᵀ with an embedding's table E (e.g. Hugging Face's "
+           "lm_head.apply({'params': {'kernel': wte.T}}, h): 'lm_head') to that "
+           "nn.Embed's path (e.g. 'transformer/wte')")
+    if not isinstance(embedding, layouts.EmbeddingLayout):
+      raise ValueError(f"tied_embeddings[{source!r}] = {target!r} is not a captured "
+                       f"nn.Embed; {fix}")
+    if (call not in discovered.num_calls
+        or any(key[:-1] == call for key in flat_params)):
+      raise ValueError(
+          f"tied_embeddings: {source!r} is not a captured layer call without "
+          f"params of its own; {fix}. init's warning names those calls.")
+    if (getattr(layout, "num_stacks", None), getattr(layout, "in_dim", None),
+        getattr(layout, "out_dim", None)) != (1, embedding.features, embedding.vocab):
+      raise ValueError(
+          f"tied_embeddings[{source!r}] = {target!r}: the call maps "
+          f"{getattr(layout, 'in_dim', '?')} to {getattr(layout, 'out_dim', '?')} "
+          f"features, but the table's transpose maps {embedding.features} to "
+          f"{embedding.vocab}; {fix}")
+    tied[table] = (*tied.get(table, ()), call)
+  return tied
+
+
+def _unowned_message(plan: _Plan) -> str:
+  """init's warning about captured calls that get no block of their own."""
+  tables = [(key, block.layout) for key, (_, block) in plan.layers.items()
+            if isinstance(block, blocks.EmbeddingBlock)]
+  ties = {_key(call): key for call, layout in plan.unowned.items()
+          for key, table in tables
+          if (getattr(layout, "in_dim", None), getattr(layout, "out_dim", None))
+          == (table.features, table.vocab)}
+  suggestion = (f"tied_embeddings={ties!r}" if ties else
+                "tied_embeddings={'lm_head': 'transformer/wte'}")
+  names = ", ".join(repr(_key(path)) for path in plan.unowned)
+  return (
+      f"K-FAC gives these captured layer calls no block of their own: {names}. "
+      "Their params are not leaves of the params tree (e.g. a "
+      "submodule run with .apply on weights the model computes, such as "
+      "Hugging Face's tied lm_head.apply({'params': {'kernel': wte.T}}, h)). "
+      "The params those weights come from are preconditioned by their own "
+      "blocks, whose statistics leave these calls out. If a call computes "
+      "logits with an nn.Embed's table transposed (tied word embeddings), "
+      f"pass {suggestion} to fold it into that embedding's block.")
+
+
 def _all_finite(tree: Any) -> jax.Array:
   return jnp.all(jnp.array(
       [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]))
@@ -264,6 +354,7 @@ class Curvature:
   num_samples: int = 1
   apply_kwargs: dict[str, Any] | None = None
   layer_overrides: dict[str, str] | None = None
+  tied_embeddings: dict[str, str] | None = None
   mesh: jax.sharding.Mesh | None = None
   outputs: Callable[[Any], Any] | None = None
   max_factor_dim: int | str | None = "auto"
@@ -293,6 +384,11 @@ class Curvature:
       if choice not in _OVERRIDES:
         raise ValueError(f"layer_overrides[{pattern!r}] must be one of "
                          f"{_OVERRIDES}, got {choice!r}")
+    for source, target in (self.tied_embeddings or {}).items():
+      if not (isinstance(source, str) and isinstance(target, str)):
+        raise TypeError(
+            "tied_embeddings must map a call's module path to an nn.Embed's "
+            f"path, both strings joined by '/', got {source!r}: {target!r}")
 
   # -- the model ------------------------------------------------------------
 
@@ -406,7 +502,8 @@ class Curvature:
     flat_params, _ = flatten(params)
     _check_real_floating(flat_params)
     perturbations = capture.by_layer(discovered.perturbations)
-    layers, owned = {}, set()
+    tied = _tied_calls(self.tied_embeddings or {}, discovered, flat_params)
+    layers, owned, unowned = {}, set(), {}
     for path, layout in discovered.layouts.items():
       override = self._override_for(path)
       layer_params = {key[-1]: leaf for key, leaf in flat_params.items()
@@ -415,12 +512,19 @@ class Curvature:
         owned.update(path + (name,) for name in layer_params)
       if override in ("skip", "diagonal"):
         continue
+      if not layer_params:  # e.g. a submodule's .apply on tied weights
+        unowned[path] = layout
+        continue
       if path not in discovered.num_calls:
         raise capture.not_threaded_error(path)
+      stack_shape = _stack_shape(discovered.output_shapes[path],
+                                 perturbations[path][0].shape, layer_params)
+      _check_layer_params(path, layout, layer_params, stack_shape)
+      other_methods = discovered.other_methods.get(path, ())
+      if path in tied:
+        other_methods = tuple(sorted({*other_methods, "attend"}))
       block = blocks.block_for(
-          layout, layer_params, _stack_shape(
-              discovered.output_shapes[path], perturbations[path][0].shape,
-              layer_params), discovered.other_methods.get(path, ()),
+          layout, layer_params, stack_shape, other_methods,
           structure=override if override in blocks.KRONECKER_STRUCTURES else None,
           max_factor_dim=(DEFAULT_MAX_FACTOR_DIM if self.max_factor_dim == "auto"
                           else self.max_factor_dim))
@@ -430,7 +534,10 @@ class Curvature:
     fallback = blocks.DiagonalBlock(
         {key: jnp.shape(flat_params[path])
          for key, path in fallback_paths.items()}) if fallback_paths else None
-    return _Plan(layers, fallback, fallback_paths, discovered.perturbations)
+    tied = {table: calls for table, calls in tied.items() if _key(table) in layers}
+    calls_in_use = {call for calls in tied.values() for call in calls}
+    return _Plan(layers, fallback, fallback_paths, discovered.perturbations, tied,
+                 {p: layout for p, layout in unowned.items() if p not in calls_in_use})
 
   def _example_plan(self, params: Any) -> _Plan:
     # mutable=True lets flax create collections such as batch_stats that the
@@ -459,6 +566,8 @@ class Curvature:
     factors, inverses = {}, {}
     dtype = linalg.curvature_dtype(params)
     plan = self._example_plan(params)
+    if plan.unowned:
+      warnings.warn(_unowned_message(plan), stacklevel=3)
     summary.warn_if_mostly_fallback(self._summary(plan, params))
     for key, block in plan.all_blocks().items():
       factors[key], inverses[key] = jax.tree.map(lambda x: x.astype(dtype),
@@ -496,6 +605,10 @@ class Curvature:
     for key, (path, block) in plan.layers.items():
       other_calls = {method: (inputs[path], grads[path]) for method, (inputs, grads)
                      in captured.other_methods.items() if path in inputs}
+      for call in plan.tied.get(path, ()):  # more uses of the table as `attend`
+        queries, logit_grads = other_calls.get("attend", ((), ()))
+        other_calls["attend"] = (queries + captured.inputs[call],
+                                 logit_grads + captured.output_grads[call])
       stats[key] = block.statistics(captured.inputs[path],
                                     captured.output_grads[path], terms, **other_calls)
     if plan.fallback is not None:

@@ -131,30 +131,98 @@ _REGISTRY: dict[type, Kind] = {
 }
 
 
-def register_layer(module_class: type, kind: "str | Kind") -> None:
+_NAMED_KINDS = ("dense", "dense_general", "conv")  # kinds with a kernel and bias
+
+
+def register_layer(
+    module_class: type,
+    kind: "str | Callable[[nn.Module, Any, Any], Any]",
+    *,
+    kernel: str = "kernel",
+    bias: str | None = "bias",
+    kernel_layout: str = "in_out",
+) -> None:
   """Captures every instance of ``module_class`` as a curvature block.
+
+  ``kind`` names the block and says how the layer maps its input to its
+  output: ``"dense"`` is ``y = x @ W (+ b)`` over the last axis of ``x``;
+  ``"dense_general"`` and ``"conv"`` read the configuration attributes of
+  ``nn.DenseGeneral`` and ``nn.Conv`` (``features``, ``axis``,
+  ``kernel_size``, ``strides``, ``padding``, ...) from the module, so they fit
+  subclasses and look-alikes of those; ``"embed"`` and ``"norm"`` likewise.
+  ``kernel`` and ``bias`` name the layer's param leaves, and
+  ``kernel_layout`` how its kernel is stored, so any Dense-like layer fits
+  without code: e.g. Hugging Face's ``FlaxConv1D`` (``y = x @ kernel.T +
+  bias``, kernel ``(out, in)``) is
+  ``register_layer(FlaxConv1D, "dense", kernel_layout="out_in")``. An
+  ``(out, in)`` kernel is transposed, never reshaped; a kernel whose shape
+  does not fit the layer's captured input and output is an error at
+  ``init``. (A square kernel fits both layouts: declaring the wrong one
+  there goes unnoticed.)
 
   Args:
     module_class: a flax ``nn.Module`` subclass whose ``__call__`` takes the
-      layer input as its first argument.
-    kind: a built-in kind name (``"dense"``: ``y = x @ kernel (+ bias)`` over
-      the last axis with params ``kernel`` of shape (d_in, d_out) and
-      optional ``bias``; ``"dense_general"``, ``"conv"``, ``"embed"`` read
-      the same attributes as the flax modules of those names), or a function
-      ``(module, layer_input, layer_output) -> layout``.
+      layer input as its first argument; its subclasses are captured too.
+    kind: ``"dense"``, ``"dense_general"``, ``"conv"``, ``"embed"``,
+      ``"norm"``, or a layout function ``(module, layer_input, layer_output)
+      -> layout`` returning a `kfac_optax.layouts.DenseLayout` (e.g.
+      ``layouts.dense(d_in, d_out, kernel_order="out_in")``) or
+      `kfac_optax.layouts.ConvLayout`, which carries the param names and
+      kernel order itself.
+    kernel: the name of the kernel param (``"dense"``, ``"dense_general"``,
+      ``"conv"``).
+    bias: the name of the bias param, used when the layer has it; None for
+      a layer whose params include no bias.
+    kernel_layout: ``"in_out"`` (flax's ``(*in, *out)``; for ``"conv"``
+      flax's ``(*kernel_size, in / groups, out)``) or ``"out_in"`` (the
+      feature axes swapped: ``"dense"`` and ``"dense_general"`` only).
+
+  Raises:
+    TypeError: ``module_class`` is not a flax module class.
+    ValueError: an unknown ``kind`` or ``kernel_layout``, or param names or
+      a layout given with a kind that takes none.
 
   Example:
-    >>> class MyDense(nn.Module):  # doctest: +SKIP
+    >>> class Conv1D(nn.Module):  # Hugging Face's Dense with an (out, in) kernel
+    ...   features: int
     ...   @nn.compact
     ...   def __call__(self, x):
-    ...     return x @ self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], 4))
-    >>> kfac_optax.register_layer(MyDense, "dense")  # doctest: +SKIP
+    ...     w = self.param("weight", nn.initializers.normal(0.02), (self.features, x.shape[-1]))
+    ...     return x @ w.T + self.param("b", nn.initializers.zeros, (self.features,))
+    >>> kfac_optax.register_layer(Conv1D, "dense", kernel="weight", bias="b",
+    ...                           kernel_layout="out_in")
   """
-  if isinstance(kind, str):
-    if kind not in KINDS:
-      raise ValueError(f"unknown layer kind {kind!r}; built-in kinds: {sorted(KINDS)}")
-    kind = KINDS[kind]
-  _REGISTRY[module_class] = kind
+  if not (isinstance(module_class, type) and issubclass(module_class, nn.Module)):
+    raise TypeError(f"register_layer's module_class must be a flax nn.Module "
+                    f"subclass (the class, not an instance), got {module_class!r}")
+  custom = (kernel, bias, kernel_layout) != ("kernel", "bias", "in_out")
+  if callable(kind):
+    if custom:
+      raise ValueError(
+          "register_layer: kernel=, bias= and kernel_layout= go with a kind "
+          "name; a layout function sets them on the layout it returns, e.g. "
+          "layouts.dense(d_in, d_out, kernel_name=..., kernel_order='out_in')")
+    _REGISTRY[module_class] = Kind(kind)
+    return
+  if kind not in KINDS:
+    raise ValueError(f"register_layer: unknown kind {kind!r}; built-in kinds: "
+                     f"{sorted(KINDS)}, or pass a layout function")
+  orders = layouts.KERNEL_ORDERS if kind != "conv" else ("in_out",)
+  if kernel_layout not in orders:
+    raise ValueError(f"register_layer: kernel_layout={kernel_layout!r} is not one "
+                     f"of {orders} for kind {kind!r}")
+  if custom and kind not in _NAMED_KINDS:
+    raise ValueError(f"register_layer: kernel=, bias= and kernel_layout= apply to "
+                     f"the kinds {_NAMED_KINDS}, not {kind!r}")
+  found = KINDS[kind]
+  if custom:
+    names = {"kernel_name": kernel, "bias_name": bias}
+    if kind != "conv":
+      names["kernel_order"] = kernel_layout
+    layout_of = found.layout
+    found = dataclasses.replace(found, layout=lambda module, x, y: dataclasses.replace(
+        layout_of(module, x, y), **names))
+  _REGISTRY[module_class] = found
 
 
 def kind_of(module: nn.Module) -> Kind | None:

@@ -9,8 +9,12 @@ with ``batch_dims``). A layout turns
 - output gradients (leading cotangent axis K) into rows ``(S, K·R, out_dim)``,
 - the kernel into ``(S, in_dim, out_dim)`` and the bias into ``(S, out_dim)``,
 
-and back. Layouts are plain frozen dataclasses of ints and tuples (hashable,
-no flax), built from a module's configuration in `layers.py`.
+and back. A layout also names the layer's kernel and bias leaves and says how
+the kernel is stored, so layers written outside flax (e.g. a kernel kept as
+``(out, in)``) map onto the same blocks. Layouts are plain frozen dataclasses
+of ints, strings and tuples (hashable, no flax), built from a module's
+configuration in `layers.py`, or by a user's layout function given to
+`kfac_optax.register_layer`.
 """
 
 import dataclasses
@@ -19,6 +23,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+KERNEL_ORDERS = ("in_out", "out_in")
 
 
 def _size(shape) -> int:
@@ -41,6 +47,10 @@ class DenseLayout:
     in_features: shape of the contracted axes.
     out_features: shape of the output feature axes (the last axes of y).
     batch_shape: shape of the batch axes (``()`` for none).
+    kernel_order: ``"in_out"`` (flax) or ``"out_in"``: the order of the
+      kernel's feature axes.
+    kernel_name: the layer's kernel param.
+    bias_name: the layer's bias param (used when the layer has one), or None.
   """
 
   input_axes: tuple[int, ...]
@@ -48,6 +58,9 @@ class DenseLayout:
   in_features: tuple[int, ...]
   out_features: tuple[int, ...]
   batch_shape: tuple[int, ...] = ()
+  kernel_order: str = "in_out"
+  kernel_name: str = "kernel"
+  bias_name: str | None = "bias"
 
   @property
   def num_stacks(self) -> int:
@@ -73,22 +86,47 @@ class DenseLayout:
     g = jnp.moveaxis(g, 0, len(self.batch_shape))
     return g.reshape(self.num_stacks, -1, self.out_dim)
 
+  @property
+  def kernel_shape(self) -> tuple[int, ...]:
+    features = (self.in_features, self.out_features)
+    if self.kernel_order == "out_in":
+      features = features[::-1]
+    return (*self.batch_shape, *features[0], *features[1])
+
+  @property
+  def bias_shape(self) -> tuple[int, ...]:
+    return (*self.batch_shape, *self.out_features)
+
   def kernel_matrix(self, kernel: jax.Array) -> jax.Array:
+    if self.kernel_order == "out_in":
+      return jnp.swapaxes(kernel.reshape(self.num_stacks, self.out_dim, self.in_dim), 1, 2)
     return kernel.reshape(self.num_stacks, self.in_dim, self.out_dim)
 
   def kernel_from_matrix(self, matrix: jax.Array) -> jax.Array:
-    return matrix.reshape(*self.batch_shape, *self.in_features, *self.out_features)
+    if self.kernel_order == "out_in":
+      matrix = jnp.swapaxes(matrix, 1, 2)
+    return matrix.reshape(self.kernel_shape)
 
   def bias_matrix(self, bias: jax.Array) -> jax.Array:
     return bias.reshape(self.num_stacks, self.out_dim)
 
   def bias_from_matrix(self, matrix: jax.Array) -> jax.Array:
-    return matrix.reshape(*self.batch_shape, *self.out_features)
+    return matrix.reshape(self.bias_shape)
 
 
-def dense(in_dim: int, out_dim: int) -> DenseLayout:
-  """The layout of ``nn.Dense``: contract the last axis."""
-  return DenseLayout((-1,), (), (in_dim,), (out_dim,))
+def dense(in_dim: int, out_dim: int, **names_and_order) -> DenseLayout:
+  """The layout of ``nn.Dense``: contract the last axis.
+
+  Args:
+    in_dim, out_dim: the input and output feature sizes.
+    **names_and_order: ``kernel_order``, ``kernel_name``, ``bias_name`` (see
+      `DenseLayout`).
+
+  Example:
+    >>> dense(4, 3, kernel_order="out_in").kernel_shape
+    (3, 4)
+  """
+  return DenseLayout((-1,), (), (in_dim,), (out_dim,), **names_and_order)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +146,9 @@ class ConvLayout:
       input this way, then convolves with VALID (CIRCULAR, REFLECT, CAUSAL).
     in_channels, out_channels: total channel counts.
     groups: ``feature_group_count``.
+    kernel_name: the layer's kernel param, shaped like flax's
+      ``(*kernel_size, in_channels / groups, out_channels)``.
+    bias_name: the layer's bias param (used when the layer has one), or None.
   """
 
   kernel_size: tuple[int, ...]
@@ -119,6 +160,8 @@ class ConvLayout:
   in_channels: int
   out_channels: int
   groups: int = 1
+  kernel_name: str = "kernel"
+  bias_name: str | None = "bias"
   expands_input = True  # patches are ~prod(kernel_size) x the input: chunk them
 
   @property
@@ -173,20 +216,26 @@ class ConvLayout:
     g = g.reshape(-1, self.groups, self.out_dim)
     return jnp.swapaxes(g, 0, 1)
 
+  @property
+  def kernel_shape(self) -> tuple[int, ...]:
+    return (*self.kernel_size, self.in_channels // self.groups, self.out_channels)
+
+  @property
+  def bias_shape(self) -> tuple[int, ...]:
+    return (self.out_channels,)
+
   def kernel_matrix(self, kernel: jax.Array) -> jax.Array:
     kernel = kernel.reshape(self.in_dim, self.groups, self.out_dim)
     return jnp.swapaxes(kernel, 0, 1)
 
   def kernel_from_matrix(self, matrix: jax.Array) -> jax.Array:
-    kernel = jnp.swapaxes(matrix, 0, 1)
-    return kernel.reshape(*self.kernel_size, self.in_channels // self.groups,
-                          self.out_channels)
+    return jnp.swapaxes(matrix, 0, 1).reshape(self.kernel_shape)
 
   def bias_matrix(self, bias: jax.Array) -> jax.Array:
     return bias.reshape(self.groups, self.out_dim)
 
   def bias_from_matrix(self, matrix: jax.Array) -> jax.Array:
-    return matrix.reshape(self.out_channels)
+    return matrix.reshape(self.bias_shape)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -123,6 +123,7 @@ def scale_by_kfac(
     num_samples: int = 1,
     apply_kwargs: dict[str, Any] | None = None,
     layer_overrides: dict[str, str] | None = None,
+    tied_embeddings: dict[str, str] | None = None,
     mesh: jax.sharding.Mesh | None = None,
     max_factor_dim: int | str | None = "auto",
 ) -> optax.GradientTransformationExtraArgs:
@@ -197,6 +198,13 @@ def scale_by_kfac(
       ``"kron_out_diag"`` the output factor (``A ⊗ diag(G)``),
       ``"kron_both_diag"`` both, and ``"kron"`` neither, whatever
       ``max_factor_dim`` says.
+    tied_embeddings: ``{call path: embedding path}`` for a layer call that
+      computes logits with an ``nn.Embed``'s table transposed through a
+      submodule's own ``.apply`` (Hugging Face's ``tie_word_embeddings``:
+      ``self.lm_head.apply({"params": {"kernel": wte.T}}, h)`` is
+      ``{"lm_head": "transformer/wte"}``): its statistics join the
+      embedding's block as a tied ``attend`` use. Such a call has no params
+      of its own; undeclared, it gets no block and ``init`` warns, naming it.
     mesh: devices to spread the inverse refresh over. Factor matrices of
       similar size are stacked (`linalg.invert_all`) and each stack is split
       over all mesh axes, so each of N devices inverts about 1/N of them,
@@ -325,6 +333,7 @@ def kfac(
     num_samples: int = 1,
     apply_kwargs: dict[str, Any] | None = None,
     layer_overrides: dict[str, str] | None = None,
+    tied_embeddings: dict[str, str] | None = None,
     mesh: jax.sharding.Mesh | None = None,
     max_factor_dim: int | str | None = "auto",
     norm_constraint: float | str | None = "auto",
@@ -384,7 +393,7 @@ def kfac(
       ``"auto"``: None without a learning rate, else 0.9.
     inputs, outputs, damping, ema_decay, inverse_update_period,
     stats_update_period, estimation, inverse, num_samples, apply_kwargs,
-    layer_overrides, mesh, max_factor_dim:
+    layer_overrides, tied_embeddings, mesh, max_factor_dim:
       see `scale_by_kfac`. With ``adaptive_damping``, ``damping`` is the
       initial λ.
     norm_constraint: c, None, or ``"auto"``: 1e-3 with a given learning

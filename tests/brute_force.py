@@ -102,6 +102,21 @@ def kronecker_precondition(a, g, kernel_grad, bias_grad, damping):
   return {"kernel": u[:-1], "bias": u[-1]}
 
 
+def combined_kronecker(uses):
+  """Σ_i diag(d_i) ⊗ F_i ≈ diag(a) ⊗ g keeping the trace (a tied embedding).
+
+  Each use i of a table E (vocab x features) has the Fisher block
+  diag(d_i) ⊗ F_i; with t_i = mean(d_i) · tr(F_i)/dim(F_i) and T = Σ t_i,
+  a = Σ t_i d_i / mean(d_i) and g = Σ (t_i / T) F_i / (tr(F_i)/dim(F_i)).
+  """
+  t = [d.mean() * np.trace(f) / len(f) for d, f in uses]
+  a = sum(w * d / d.mean() for w, (d, _) in zip(t, uses))
+  g = sum(w / sum(t) * f / (np.trace(f) / len(f)) for w, (_, f) in zip(t, uses))
+  np.testing.assert_allclose(np.trace(np.kron(np.diag(a), g)),
+                             sum(np.trace(np.kron(np.diag(d), f)) for d, f in uses))
+  return a, g
+
+
 def precondition(all_factors, grads, damping):
   return {name: kronecker_precondition(
       *all_factors[name], grads[name]["kernel"], grads[name].get("bias"), damping)

@@ -1,7 +1,10 @@
-"""Smoke test: the MLP example trains both optimizers and saves its plot."""
+"""Smoke tests: the MLP and Hugging Face-style GPT-2 examples train both optimizers."""
 
 import math
 
+import numpy as np
+
+from examples import gpt2_hf_style
 from examples import mlp_classifier
 
 
@@ -14,3 +17,14 @@ def test_mlp_classifier_quick_run(tmp_path):
     for key, value in values.items():
       assert math.isfinite(value), (name, key, value)
     assert 0.0 <= values["test_accuracy"] <= 1.0
+
+
+def test_gpt2_hf_style_quick_run(capsys):
+  curves, validation = gpt2_hf_style.main(["--quick"])
+  printed = capsys.readouterr().out
+  assert "transformer/h/0/attn/c_attn  " in printed  # a Kronecker block, not the fallback
+  assert "<diagonal>" not in printed
+  assert set(curves) == set(validation) == {"K-FAC", "Adam"}
+  for name, losses in curves.items():
+    assert np.all(np.isfinite(losses)), name
+    assert losses[-1] < losses[0], (name, losses)

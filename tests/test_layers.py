@@ -569,11 +569,7 @@ def test_tied_embedding_combines_lookup_and_attend_statistics():
   uses = [(one_hot.mean(0), lookup_g.T @ lookup_g / num_terms),      # lookup
           ((logits_g**2).sum(0) / num_terms, queries.T @ queries / len(queries))]  # attend
   # ... combined into one Kronecker product with the same trace.
-  t_i = [d.mean() * np.trace(f) / EMBED_DIM for d, f in uses]
-  a = sum(w * d / d.mean() for w, (d, _) in zip(t_i, uses))
-  g = sum(w / sum(t_i) * f / (np.trace(f) / EMBED_DIM) for w, (_, f) in zip(t_i, uses))
-  np.testing.assert_allclose(np.trace(np.kron(np.diag(a), g)),
-                             sum(np.trace(np.kron(np.diag(d), f)) for d, f in uses))
+  a, g = bf.combined_kronecker(uses)
   expected = bf.kronecker_precondition(
       np.diag(a), g, grads["embed"]["embedding"], None, DAMPING)
 

@@ -1,7 +1,9 @@
-"""The README's quick-start snippet runs as written and trains."""
+"""The README's snippets run as written and train."""
 
 import pathlib
 import re
+
+from kfac_optax import layers
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
@@ -13,3 +15,18 @@ def test_quick_start_runs(capsys):
   printed = capsys.readouterr().out
   final = float(re.search(r"loss after 20 steps: ([0-9.]+)", printed).group(1))
   assert final < 1.0  # starts near log(10) ≈ 2.3 on this memorisable batch
+
+
+def test_your_own_layers_snippet_runs(capsys):
+  section = re.search(r"## Your own layers\n(.*?)\n## ", README.read_text(), re.S).group(1)
+  snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  saved = dict(layers._REGISTRY)  # pylint: disable=protected-access
+  try:
+    exec(compile(snippet, str(README), "exec"), {})  # pylint: disable=exec-used
+  finally:
+    layers._REGISTRY.clear()  # pylint: disable=protected-access
+    layers._REGISTRY.update(saved)  # pylint: disable=protected-access
+  printed = capsys.readouterr().out
+  assert "['c_fc', 'c_proj', 'wte']" in printed
+  final = float(re.search(r"loss after 10 steps: ([0-9.]+)", printed).group(1))
+  assert final < 3.2  # starts near log(32) ≈ 3.47
