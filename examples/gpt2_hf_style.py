@@ -192,13 +192,6 @@ def parse_args(argv=None):
   return args
 
 
-def print_kfac_blocks(name, opt_state):
-  """Each K-FAC block (module path) with its factor shapes."""
-  print(f"{name} blocks (factor shapes):")
-  for key, factors in opt_state.curvature.factors.items():
-    print(f"  {key:32s} {jax.tree.map(jnp.shape, factors)}")
-
-
 def main(argv=None):
   """Trains with K-FAC and Adam; returns ``{name: per-step losses}`` and
   ``{name: validation loss}`` (mean nats per character)."""
@@ -243,7 +236,7 @@ def main(argv=None):
   for name, tx in optimizers.items():
     state = kfac_optax.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
     if name.startswith("K-FAC"):
-      print_kfac_blocks(name, state.opt_state)
+      print(f"{name}: the block of every module\n{kfac_optax.describe(tx, params)}\n")
     state = jax.tree.map(jnp.copy, state)  # the step donates its state
     state, curves[name], _ = transformer_lm.train(
         name, state, step_fn, train_ids, order, args.seq_len, args.seed)
