@@ -168,16 +168,188 @@ class KroneckerBlock:
   def precondition(self, inverses: KroneckerFactors, grads: dict) -> dict:
     """Maps ``{"kernel": ∇W[, "bias": ∇b]}`` to its preconditioned leaves,
     in the inverses' dtype."""
-    layout, dtype = self.layout, inverses.a.dtype
-    stacked = layout.kernel_matrix(grads["kernel"].astype(dtype))
+    stacked = self._gradient_matrix(grads, inverses.a.dtype)
+    return self._gradient_leaves(inverses.a @ stacked @ inverses.g)
+
+  def _gradient_matrix(self, grads: dict, dtype) -> jax.Array:
+    """``V = [∇W; ∇b]``, ``(S, in_dim [+ 1], out_dim)``."""
+    stacked = self.layout.kernel_matrix(grads["kernel"].astype(dtype))
     if self.has_bias:
-      bias = layout.bias_matrix(grads["bias"].astype(dtype))
+      bias = self.layout.bias_matrix(grads["bias"].astype(dtype))
       stacked = jnp.concatenate([stacked, bias[:, None]], 1)
-    result = inverses.a @ stacked @ inverses.g
-    out = {"kernel": layout.kernel_from_matrix(result[:, :layout.in_dim])}
+    return stacked
+
+  def _gradient_leaves(self, matrix: jax.Array) -> dict:
+    """The inverse of `_gradient_matrix`."""
+    layout = self.layout
+    out = {"kernel": layout.kernel_from_matrix(matrix[:, :layout.in_dim])}
     if self.has_bias:
-      out["bias"] = layout.bias_from_matrix(result[:, layout.in_dim])
+      out["bias"] = layout.bias_from_matrix(matrix[:, layout.in_dim])
     return out
+
+
+SERIES_OPTIONS = tuple(linalg.SERIES_DECOMPOSITIONS)  # "series_option1", "series_option2"
+
+
+class SeriesFactors(NamedTuple):
+  """Statistics of a layer shared over time: ``A0``, ``G0`` (fields ``a``,
+  ``g``, as in `KroneckerFactors`) and the lag-1 ``A1``, ``G1``."""
+  a: jax.Array
+  g: jax.Array
+  a_lag: jax.Array
+  g_lag: jax.Array
+
+
+class SeriesInverses(NamedTuple):
+  """A series block's refreshed factors: `linalg.Whitened` (option 1) or
+  `linalg.Transition` (option 2) for ``A`` and ``G``, and the number of time
+  steps ``T`` of the batch they were refreshed on (option 1's ``Γ``), ``(S,)``."""
+  a: Any
+  g: Any
+  steps: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SeriesBlock(KroneckerBlock):
+  """A layer applied at ``T`` time steps with shared weights, as a series.
+
+  Martens, Ba & Johnson (2018) model the per-step ``ā_t`` and ``g_t`` as
+  stationary series whose Fisher block is
+  ``Σ_{t,s} E[ā_t ā_sᵀ] ⊗ E[g_t g_sᵀ]``. With ``R`` rows (T steps × M rows
+  per step, masked ones excluded) and ``L`` loss terms:
+
+  .. math::
+    A_0 = \\frac{1}{R}\\sum_{t,m} ā_{t} ā_{t}^T,\\quad
+    A_1 = \\frac{1}{R}\\sum_{t<T-1,m} ā_{t+1} ā_{t}^T,\\quad
+    G_0 = \\frac{1}{L}\\sum_{k,t,m} g g^T,\\quad
+    G_1 = \\frac{1}{L}\\sum_{k,t<T-1,m} g_{t+1} g_t^T
+
+  (a pair counts only where both steps are unmasked), damped as
+  ``C̃0 = C0 + d_C I`` with the π-split of λ computed from ``A0`` and ``G0``.
+  For ``V = [∇W; ∇b]``:
+
+  - ``series_option1`` (exact for the symmetric process model): with
+    ``Ψ̂ = C̃0^{-1/2} sym(C1) C̃0^{-1/2} = U diag(ψ) Uᵀ``, ``L = C̃0^{-1/2} U``,
+    ``U_out = L_A [(L_Aᵀ V L_G) ∘ Γ] L_Gᵀ``, ``Γ_ij = T γ_T(|ψ_A,i| |ψ_G,j|)``,
+    ``γ_T(x) = (1-x)² / (T(1-x²) - 2x(1-x^T))``: the inverse of
+    ``(1/T) Σ_{|d|<T} (T-|d|) (Ã0^{1/2} Ψ̂_A^{|d|} Ã0^{1/2}) ⊗ (G̃0^{1/2} Ψ̂_G^{|d|} G̃0^{1/2})``.
+  - ``series_option2`` (a linear-dynamics model, for long sequences):
+    ``P = C1ᵀ C̃0⁻¹``, ``K = C̃0^{-1/2} E``, ``μ = min(s², 1)`` from the SVD
+    ``C̃0^{-1/2} C1 C̃0^{-1/2} = U diag(s) Eᵀ``; ``Z = V - P_A V P_Gᵀ``,
+    ``Z = K_A [(K_Aᵀ Z K_G) / (1 - μ_A μ_Gᵀ)] K_Gᵀ``, ``U_out = Z - P_Aᵀ Z P_G``.
+
+  Both equal `KroneckerBlock`'s ``Ã0⁻¹ V G̃0⁻¹`` when ``A1`` or ``G1`` vanish
+  (``T·γ_T(0) = 1``). The captured arrays carry the time axis first
+  (``(T, *input)``, gradients ``(K, T, *output)``); a loss mask of shape
+  ``(N, T)`` (batch-major, nn.RNN's default), ``(T, N)`` or ``(N,)``
+  weighs the steps.
+
+  Attributes:
+    option: ``"series_option1"`` or ``"series_option2"``.
+    num_steps: ``T``.
+
+  References:
+    Martens, Ba & Johnson, "Kronecker-factored Curvature Approximations for
+    Recurrent Neural Networks", ICLR 2018.
+  """
+
+  option: str = SERIES_OPTIONS[0]
+  num_steps: int = 1
+
+  def init(self) -> tuple[SeriesFactors, SeriesInverses]:
+    zeros, identities = super().init()
+    series = SeriesFactors(*zeros, *zeros)
+    eye_a, eye_g = identities
+    stacks = len(eye_a)
+    if self.option == "series_option1":
+      a = linalg.Whitened(eye_a, jnp.zeros(eye_a.shape[:2]))
+      g = linalg.Whitened(eye_g, jnp.zeros(eye_g.shape[:2]))
+    else:
+      a = linalg.Transition(zeros.a, eye_a, jnp.zeros(eye_a.shape[:2]))
+      g = linalg.Transition(zeros.g, eye_g, jnp.zeros(eye_g.shape[:2]))
+    return series, SeriesInverses(a, g, jnp.ones((stacks,)))
+
+  def statistics(self, inputs, output_grads, terms) -> SeriesFactors:
+    """Batch estimates of ``A0, G0, A1, G1`` from every call of the layer."""
+    a = a_lag = g = g_lag = num_rows = 0.0
+    for x, dy in zip(inputs, output_grads):  # x: (T, ...), dy: (K, T, ...)
+      rows = jax.vmap(self._rows)(x)  # (T, S, M, d): rows of each step
+      grad_rows = jax.vmap(self.layout.output_rows, in_axes=1)(dy)  # (T, S, K·M, k)
+      weights = _step_weights(terms, x.shape, rows.shape[2])  # (T, M)
+      gram, lag = _lagged_grams(rows, weights)
+      a, a_lag, num_rows = a + gram, a_lag + lag, num_rows + jnp.sum(weights)
+      gram, lag = _lagged_grams(grad_rows, jnp.tile(weights, (1, dy.shape[0])))
+      g, g_lag = g + gram, g_lag + lag
+    return SeriesFactors(a / num_rows, g / terms.count,
+                         a_lag / num_rows, g_lag / terms.count)
+
+  def damped(self, factors: SeriesFactors, damping: jax.Array) -> SeriesInverses:
+    """``(C0, C1)`` pairs with the π-split damping, to decompose
+    (`linalg.invert_all`)."""
+    a, g = super().damped(KroneckerFactors(factors.a, factors.g), damping)
+    steps = jnp.full(factors.a.shape[:1], self.num_steps, factors.a.dtype)
+    return SeriesInverses(linalg.DampedLag(a.matrix, factors.a_lag, a.damping, self.option),
+                          linalg.DampedLag(g.matrix, factors.g_lag, g.damping, self.option),
+                          steps)
+
+  def precondition(self, inverses: SeriesInverses, grads: dict) -> dict:
+    a, g = inverses.a, inverses.g
+    v = self._gradient_matrix(grads, inverses.steps.dtype)
+    t = lambda m: jnp.swapaxes(m, -1, -2)
+    if self.option == "series_option1":
+      gamma = _scaled_gamma(a.psi[:, :, None] * g.psi[:, None, :],
+                            inverses.steps[:, None, None])
+      u = a.l @ ((t(a.l) @ v @ g.l) * gamma) @ t(g.l)
+    else:
+      z = v - a.p @ v @ t(g.p)
+      denominator = 1.0 - a.mu[:, :, None] * g.mu[:, None, :]
+      z = t(a.k) @ z @ g.k / jnp.where(denominator == 0, 1.0, denominator)
+      z = a.k @ z @ t(g.k)
+      u = z - t(a.p) @ z @ g.p
+    return self._gradient_leaves(u)
+
+
+def _step_weights(terms: losses.Terms, shape: tuple, rows_per_step: int) -> jax.Array:
+  """``(T, M)`` weights of the rows of each step of an array ``(T, N, ...)``.
+
+  The loss mask applies when it is ``(N, T)``, ``(T, N)`` or ``(N,)``
+  (checked in that order); otherwise every row counts, as for `Terms`.
+  """
+  steps, examples = shape[0], shape[1]
+  per_step = jnp.ones((steps, examples), jnp.float32)
+  mask = terms.mask
+  if mask is not None and mask.shape == (examples, steps):
+    per_step = mask.T
+  elif mask is not None and mask.shape == (examples,):
+    per_step = jnp.broadcast_to(mask, (steps, examples))
+  elif mask is not None and mask.shape == (steps, examples):
+    per_step = mask
+  return jnp.repeat(per_step, rows_per_step // examples, axis=1)
+
+
+def _lagged_grams(rows: jax.Array, weights: jax.Array):
+  """``(T, S, R, d)`` rows -> ``(Σ_t w r_t r_tᵀ, Σ_{t<T-1} w_{t+1} w_t r_{t+1} r_tᵀ)``."""
+  rows = linalg.at_least_float32(rows)
+  w = weights[:, None, :, None]
+  gram = jnp.einsum("tsri,tsrj->sij", rows * w, rows, precision=_HIGHEST)
+  lag = jnp.einsum("tsri,tsrj->sij", rows[1:] * (w[1:] * w[:-1]), rows[:-1],
+                   precision=_HIGHEST)
+  return gram, lag
+
+
+def _scaled_gamma(x: jax.Array, steps: jax.Array) -> jax.Array:
+  """``Γ = T·γ_T(x)``, ``γ_T(x) = (1-x)² / (T(1-x²) - 2x(1-x^T))``, for x in [0, 1].
+
+  ``1/γ_T(x) = Σ_{|d|<T} (T-|d|) x^{|d|}``; the closed form is 0/0 at
+  ``x = 1``, so within ``y = 1-x < 10⁻²/T`` it is replaced by its expansion
+  ``1/γ_T = T² - T(T²-1) y / 3`` (the next term is below 10⁻⁵ relative).
+  """
+  y = 1.0 - x
+  near = y < 1e-2 / steps
+  x = jnp.where(near, 0.5, x)  # keeps the unused branch finite
+  closed = (1.0 - x) ** 2 / (steps * (1.0 - x * x) - 2.0 * x * (1.0 - x ** steps))
+  expanded = 1.0 / (steps * steps - steps * (steps * steps - 1.0) * y / 3.0)
+  return steps * jnp.where(near, expanded, closed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,7 +566,8 @@ class StackedBlock:
 
 
 def block_for(layout: Any, layer_params: dict, stack_shape: tuple = (),
-              other_methods: tuple[str, ...] = ()) -> Any:
+              other_methods: tuple[str, ...] = (), series: str | None = None,
+              num_steps: int = 1) -> Any:
   """The curvature block of a captured layer, from its layout and params.
 
   Args:
@@ -404,10 +577,16 @@ def block_for(layout: Any, layer_params: dict, stack_shape: tuple = (),
       share (nn.scan layer stacks); each slice gets its own block.
     other_methods: the layer's other captured methods that the model calls
       (``"attend"``: a tied embedding).
+    series: a `SERIES_OPTIONS` value for a dense layer whose inputs and
+      output gradients (after the stack axes) lead with a time axis of
+      ``num_steps`` steps, or None.
+    num_steps: T, for ``series``.
   """
   slice_params = {k: jax.ShapeDtypeStruct(v.shape[len(stack_shape):], v.dtype)
                   for k, v in layer_params.items()}
   block = _unstacked_block(layout, slice_params, other_methods)
+  if series is not None:
+    block = SeriesBlock(layout, block.has_bias, series, num_steps)
   if stack_shape and other_methods:
     raise NotImplementedError(
         f"{other_methods} calls of a layer stacked by a lifted transform are "
