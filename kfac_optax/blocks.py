@@ -239,10 +239,9 @@ class SeriesBlock(KroneckerBlock):
     ``Z = K_A [(K_Aᵀ Z K_G) / (1 - μ_A μ_Gᵀ)] K_Gᵀ``, ``U_out = Z - P_Aᵀ Z P_G``.
 
   Both equal `KroneckerBlock`'s ``Ã0⁻¹ V G̃0⁻¹`` when ``A1`` or ``G1`` vanish
-  (``T·γ_T(0) = 1``). The captured arrays carry the time axis first
-  (``(T, *input)``, gradients ``(K, T, *output)``); a loss mask of shape
-  ``(N, T)`` (batch-major, nn.RNN's default), ``(T, N)`` or ``(N,)``
-  weighs the steps.
+  (``T·γ_T(0) = 1``). The captured arrays carry the time axis second,
+  ``(N, T, ...)`` (gradients ``(K, N, T, ...)``; see `BatchMajor`), so a
+  loss mask ``(N, T)`` or ``(N,)`` weighs the rows as in `losses.Terms`.
 
   Attributes:
     option: ``"series_option1"`` or ``"series_option2"``.
@@ -272,10 +271,10 @@ class SeriesBlock(KroneckerBlock):
   def statistics(self, inputs, output_grads, terms) -> SeriesFactors:
     """Batch estimates of ``A0, G0, A1, G1`` from every call of the layer."""
     a = a_lag = g = g_lag = num_rows = 0.0
-    for x, dy in zip(inputs, output_grads):  # x: (T, ...), dy: (K, T, ...)
-      rows = jax.vmap(self._rows)(x)  # (T, S, M, d): rows of each step
-      grad_rows = jax.vmap(self.layout.output_rows, in_axes=1)(dy)  # (T, S, K·M, k)
-      weights = _step_weights(terms, x.shape, rows.shape[2])  # (T, M)
+    for x, dy in zip(inputs, output_grads):  # x: (N, T, ...), dy: (K, N, T, ...)
+      rows = jax.vmap(self._rows, in_axes=1)(x)  # (T, S, M, d): rows of each step
+      grad_rows = jax.vmap(self.layout.output_rows, in_axes=2)(dy)  # (T, S, K·M, k)
+      weights = _step_weights(terms, x.shape, rows.shape[0] * rows.shape[2])
       gram, lag = _lagged_grams(rows, weights)
       a, a_lag, num_rows = a + gram, a_lag + lag, num_rows + jnp.sum(weights)
       gram, lag = _lagged_grams(grad_rows, jnp.tile(weights, (1, dy.shape[0])))
@@ -309,22 +308,48 @@ class SeriesBlock(KroneckerBlock):
     return self._gradient_leaves(u)
 
 
-def _step_weights(terms: losses.Terms, shape: tuple, rows_per_step: int) -> jax.Array:
-  """``(T, M)`` weights of the rows of each step of an array ``(T, N, ...)``.
+@dataclasses.dataclass(frozen=True)
+class BatchMajor:
+  """The block of a layer applied at every step of an nn.RNN/nn.scan over time.
 
-  The loss mask applies when it is ``(N, T)``, ``(T, N)`` or ``(N,)``
-  (checked in that order); otherwise every row counts, as for `Terms`.
+  The lifted transform stacks the layer's captured arrays along a leading
+  time axis, ``(T, N, ...)`` (gradients ``(K, T, N, ...)``), while losses
+  are batch-major (a mask ``(N, T)``). ``inner`` gets them as ``(N, T, ...)``,
+  so its rows are example-major and `losses.Terms` masks line up with them.
+
+  Attributes:
+    inner: the block of the layer (`KroneckerBlock` or `SeriesBlock`).
   """
-  steps, examples = shape[0], shape[1]
-  per_step = jnp.ones((steps, examples), jnp.float32)
-  mask = terms.mask
-  if mask is not None and mask.shape == (examples, steps):
-    per_step = mask.T
-  elif mask is not None and mask.shape == (examples,):
-    per_step = jnp.broadcast_to(mask, (steps, examples))
-  elif mask is not None and mask.shape == (steps, examples):
-    per_step = mask
-  return jnp.repeat(per_step, rows_per_step // examples, axis=1)
+
+  inner: Any
+
+  @property
+  def param_names(self) -> tuple[str, ...]:
+    return self.inner.param_names
+
+  def init(self):
+    return self.inner.init()
+
+  def statistics(self, inputs, output_grads, terms):
+    # An unbatched layer input, (T, features), has no batch axis to swap.
+    swap = lambda x, axis: jnp.swapaxes(x, axis, axis + 1) if x.ndim > axis + 2 else x
+    return self.inner.statistics([swap(x, 0) for x in inputs],
+                                 [swap(g, 1) for g in output_grads], terms)
+
+  def damped(self, factors, damping):
+    return self.inner.damped(factors, damping)
+
+  def precondition(self, inverses, grads):
+    return self.inner.precondition(inverses, grads)
+
+
+def _step_weights(terms: losses.Terms, shape: tuple, num_rows: int) -> jax.Array:
+  """``(T, M)``: the loss mask's weights of the rows of ``(N, T, ...)``, by step."""
+  weights = terms.row_weights(shape, num_rows)  # example-major: (N, T, rows)
+  steps = shape[1]
+  if weights is None:
+    return jnp.ones((steps, num_rows // steps), jnp.float32)
+  return jnp.swapaxes(weights.reshape(shape[0], steps, -1), 0, 1).reshape(steps, -1)
 
 
 def _lagged_grams(rows: jax.Array, weights: jax.Array):
@@ -567,7 +592,7 @@ class StackedBlock:
 
 def block_for(layout: Any, layer_params: dict, stack_shape: tuple = (),
               other_methods: tuple[str, ...] = (), series: str | None = None,
-              num_steps: int = 1) -> Any:
+              time_axes: tuple = ()) -> Any:
   """The curvature block of a captured layer, from its layout and params.
 
   Args:
@@ -577,16 +602,19 @@ def block_for(layout: Any, layer_params: dict, stack_shape: tuple = (),
       share (nn.scan layer stacks); each slice gets its own block.
     other_methods: the layer's other captured methods that the model calls
       (``"attend"``: a tied embedding).
-    series: a `SERIES_OPTIONS` value for a dense layer whose inputs and
-      output gradients (after the stack axes) lead with a time axis of
-      ``num_steps`` steps, or None.
-    num_steps: T, for ``series``.
+    series: a `SERIES_OPTIONS` value for a dense layer with one time axis,
+      or None.
+    time_axes: the sizes of the leading axes (after the stack axes) that
+      the inputs and output gradients have and the params lack: time steps
+      of an nn.RNN or nn.scan over time.
   """
   slice_params = {k: jax.ShapeDtypeStruct(v.shape[len(stack_shape):], v.dtype)
                   for k, v in layer_params.items()}
   block = _unstacked_block(layout, slice_params, other_methods)
   if series is not None:
-    block = SeriesBlock(layout, block.has_bias, series, num_steps)
+    block = SeriesBlock(layout, block.has_bias, series, *time_axes)
+  if len(time_axes) == 1 and isinstance(block, KroneckerBlock):
+    block = BatchMajor(block)
   if stack_shape and other_methods:
     raise NotImplementedError(
         f"{other_methods} calls of a layer stacked by a lifted transform are "

@@ -314,8 +314,7 @@ class Curvature:
           layer_params, discovered.param_shapes[path])
       block = blocks.block_for(layout, layer_params, stack,
                                discovered.other_methods.get(path, ()),
-                               _series_option(path, override, time, layout),
-                               *time[:1])
+                               _series_option(path, override, time, layout), time)
       layers[_key(path)] = (path, block)
       owned.update(path + (name,) for name in block.param_names)
     fallback_paths = {_key(k): k for k in flat_params if k not in owned}

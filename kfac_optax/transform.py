@@ -152,11 +152,15 @@ def scale_by_kfac(
       a positive int.
     apply_kwargs: constant keyword arguments for ``apply_fn`` (e.g.
       ``{"train": True}``).
-    layer_overrides: ``{path pattern: "skip" | "diagonal"}``, patterns in
-      `fnmatch` syntax over module paths joined by "/" (e.g. ``"encoder/*"``);
-      the first matching pattern wins. ``"skip"`` leaves the layer's
-      gradients unpreconditioned; ``"diagonal"`` gives its params the
-      diagonal block instead of their structured one.
+    layer_overrides: ``{path pattern: "skip" | "diagonal" | "independent" |
+      "series_option1" | "series_option2"}``, patterns in `fnmatch` syntax
+      over module paths joined by "/" (e.g. ``"encoder/*"``); the first
+      matching pattern wins. ``"skip"`` leaves the layer's gradients
+      unpreconditioned; ``"diagonal"`` gives its params the diagonal block
+      instead of their structured one. For a dense layer applied at every
+      step of an ``nn.RNN``/``nn.scan`` over time, ``"independent"`` (the
+      default) counts the steps as rows, ``"series_option1"``/``"2"`` model
+      them as a series (`blocks.SeriesBlock`, Martens, Ba & Johnson 2018).
     mesh: devices to spread the inverse refresh over. Factor matrices of
       similar size are stacked (`linalg.invert_all`) and each stack is split
       over all mesh axes, so each of N devices inverts about 1/N of them,

@@ -115,6 +115,10 @@ def test_masked_steps_leave_statistics_unchanged():
   _, state = jax.jit(lambda s: tx.update(params, s, params, batch=(changed, targets, mask)))(
       tx.init(params))
   assert bf.relative_error(state.factors["time/dense"], factors) < 1e-6
+  # "independent" (steps as rows) keeps the masked steps out too.
+  a0, _, g0, _ = bf.series_statistics(x, g, mask)
+  independent = _run("correlated", None, masked=True)[0]
+  assert bf.relative_error(independent, (a0[None], g0[None])) < 1e-5
 
 
 @pytest.mark.parametrize("bias", [True, False])
