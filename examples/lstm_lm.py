@@ -79,12 +79,22 @@ def parse_args(argv=None):
   parser.add_argument("--kfac-inverse-period", type=int, default=5)
   parser.add_argument("--eval-windows", type=int, default=512,
                       help="evaluation windows per split")
+  parser.add_argument("--options", nargs="+", choices=OPTIONS, default=None,
+                      help="K-FAC options to train (default: all three; "
+                      "series_option2 with --quick)")
+  parser.add_argument("--adam-lrs", nargs="+", type=float, default=None,
+                      help=f"Adam learning rates to try (default {ADAM_LRS}; "
+                      f"{ADAM_LRS[1]} with --quick)")
   parser.add_argument("--quick", action="store_true",
-                      help="smoke test: 6 steps of a tiny model")
+                      help="smoke test: 6 steps of a tiny model, one K-FAC "
+                      "option and one Adam learning rate (compilation "
+                      "dominates: each K-FAC option compiles for seconds)")
   args = parser.parse_args(argv)
   if args.quick:
     args.steps, args.batch_size, args.seq_len = 6, 4, 8
-    args.hidden, args.eval_windows, args.kfac_inverse_period = 8, 8, 2
+    args.hidden, args.eval_windows, args.kfac_inverse_period = 8, 8, 1
+  args.options = args.options or (["series_option2"] if args.quick else list(OPTIONS))
+  args.adam_lrs = args.adam_lrs or ([ADAM_LRS[1]] if args.quick else list(ADAM_LRS))
   return args
 
 
@@ -120,9 +130,10 @@ def main(argv=None):
   """Trains with the three K-FAC options and Adam; prints and returns metrics.
 
   Returns:
-    ``{name: metrics}`` for ``independent``, ``series_option1``,
-    ``series_option2`` and ``adam`` (the best of `ADAM_LRS` by the mean
-    loss of its last 10% of steps, with its ``learning_rate``), each with
+    ``{name: metrics}`` for each trained K-FAC option (``independent``,
+    ``series_option1``, ``series_option2``) and ``adam`` (the best of the
+    learning rates tried, by the mean loss of its last 10% of steps, with
+    its ``learning_rate``), each with
     ``validation_loss`` (nats per character), ``last_batch_loss``,
     ``ms_per_step`` (median, compilation excluded) and ``seconds`` (all
     steps but the first); plus ``initial_loss`` (log vocab).
@@ -138,15 +149,15 @@ def main(argv=None):
   loss = kfac_optax.losses.softmax_cross_entropy()
   example_batch = transformer_lm.windows(train_ids, np.arange(args.batch_size),
                                          args.seq_len)
-  params = model.init(jax.random.key(args.seed), example_batch[0])["params"]
+  params = jax.jit(model.init)(jax.random.key(args.seed), example_batch[0])["params"]
   optimizers = {
       option: kfac_optax.kfac(
           model.apply, loss, example_batch=example_batch,
           learning_rate=args.kfac_lr, momentum=args.kfac_momentum,
           damping=args.kfac_damping, inverse_update_period=args.kfac_inverse_period,
           layer_overrides={"lstm/*": option})
-      for option in OPTIONS}
-  optimizers.update({f"adam {lr:g}": optax.adam(lr) for lr in ADAM_LRS})
+      for option in args.options}
+  optimizers.update({f"adam {lr:g}": optax.adam(lr) for lr in args.adam_lrs})
   order = mlp_classifier.batch_order(len(train_ids) - args.seq_len,
                                      args.batch_size, args.steps, args.seed)
   step_fn = mlp_classifier.make_train_step(loss)
@@ -175,11 +186,11 @@ def main(argv=None):
     mark = " <- best Adam" if name == adam else ""
     print(f"{name:>16} {m['last_batch_loss']:13.4f} {m['validation_loss']:8.4f} "
           f"{m['ms_per_step']:7.1f} {m['seconds']:7.1f}{mark}")
-  shown = [*OPTIONS, adam]
+  shown = [*args.options, adam]
   save_plot(args.plot, {n: curves[n] for n in shown}, seconds,
             f"LSTM character LM on pydoc topics ({args.steps} steps)")
   print(f"loss curves saved to {args.plot}")
-  out = {name: results[name] for name in OPTIONS}
+  out = {name: results[name] for name in args.options}
   out["adam"] = {**results[adam], "learning_rate": float(adam.split()[1])}
   out["initial_loss"] = math.log(len(vocab))
   return out

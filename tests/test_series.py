@@ -271,3 +271,15 @@ def test_lstm_input_width_equal_to_steps_is_time_not_a_layer_stack():
   expected = bf.series_statistics(x, np.zeros((5, 3, 1)), bias=False)
   assert bf.relative_error(state.factors["cell/ii"].a[0], expected[0]) < 1e-5
   assert bf.relative_error(state.factors["cell/ii"].a_lag[0], expected[1]) < 1e-5
+
+
+def test_series_state_checkpoints(tmp_path):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  _, _, _, _, (tx, state, params) = _run("correlated", "series_option1")
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "state", state)
+  checkpointer.wait_until_finished()
+  restored = checkpointer.restore(tmp_path / "state", tx.init(params))
+  assert isinstance(restored.inverses["time/dense"].a, linalg.Whitened)
+  for leaf, expected in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(leaf, expected)
