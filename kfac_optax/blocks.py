@@ -256,17 +256,17 @@ class SeriesBlock(KroneckerBlock):
   num_steps: int = 1
 
   def init(self) -> tuple[SeriesFactors, SeriesInverses]:
-    zeros, identities = super().init()
-    series = SeriesFactors(*zeros, *zeros)
-    eye_a, eye_g = identities
-    stacks = len(eye_a)
+    """Zero statistics and factors that precondition as the identity."""
+    # Distinct zero arrays: a donated state must not alias buffers.
+    zeros = lambda: super(SeriesBlock, self).init()[0]
+    (eye_a, eye_g), stacks = super().init()[1], self.layout.num_stacks
     if self.option == "series_option1":
       a = linalg.Whitened(eye_a, jnp.zeros(eye_a.shape[:2]))
       g = linalg.Whitened(eye_g, jnp.zeros(eye_g.shape[:2]))
     else:
-      a = linalg.Transition(zeros.a, eye_a, jnp.zeros(eye_a.shape[:2]))
-      g = linalg.Transition(zeros.g, eye_g, jnp.zeros(eye_g.shape[:2]))
-    return series, SeriesInverses(a, g, jnp.ones((stacks,)))
+      a = linalg.Transition(zeros().a, eye_a, jnp.zeros(eye_a.shape[:2]))
+      g = linalg.Transition(zeros().g, eye_g, jnp.zeros(eye_g.shape[:2]))
+    return SeriesFactors(*zeros(), *zeros()), SeriesInverses(a, g, jnp.ones((stacks,)))
 
   def statistics(self, inputs, output_grads, terms) -> SeriesFactors:
     """Batch estimates of ``A0, G0, A1, G1`` from every call of the layer."""
