@@ -365,15 +365,21 @@ def _lagged_grams(rows: jax.Array, weights: jax.Array):
 def _scaled_gamma(x: jax.Array, steps: jax.Array) -> jax.Array:
   """``Γ = T·γ_T(x)``, ``γ_T(x) = (1-x)² / (T(1-x²) - 2x(1-x^T))``, for x in [0, 1].
 
-  ``1/γ_T(x) = Σ_{|d|<T} (T-|d|) x^{|d|}``; the closed form is 0/0 at
-  ``x = 1``, so within ``y = 1-x < 10⁻²/T`` it is replaced by its expansion
-  ``1/γ_T = T² - T(T²-1) y / 3`` (the next term is below 10⁻⁵ relative).
+  ``1/γ_T(x) = Σ_{|d|<T} (T-|d|) x^{|d|}``. In terms of ``y = 1-x`` (exact)
+  the denominator is ``T y (1+x) + 2x expm1(T log1p(-y))``, whose two terms
+  cancel to ``~T² y²`` as ``y → 0`` (0/0 at ``x = 1``), losing ``~2ε/(T y)``
+  relative; for ``T y < 0.05`` the expansion
+  ``1/γ_T = T² - T(T²-1) y/3 + T(T²-1)(T-2) y²/12`` (error ``~(T y)³/60``)
+  replaces it: both within a few 10⁻⁶ relative in float32.
   """
   y = 1.0 - x
-  near = y < 1e-2 / steps
-  x = jnp.where(near, 0.5, x)  # keeps the unused branch finite
-  closed = (1.0 - x) ** 2 / (steps * (1.0 - x * x) - 2.0 * x * (1.0 - x ** steps))
-  expanded = 1.0 / (steps * steps - steps * (steps * steps - 1.0) * y / 3.0)
+  near = steps * y < 0.05
+  safe_y = jnp.where(near, 0.5, y)  # keeps the unused branch finite
+  closed = safe_y ** 2 / (steps * safe_y * (2.0 - safe_y) + 2.0 * (1.0 - safe_y)
+                          * jnp.expm1(steps * jnp.log1p(-safe_y)))
+  squared = steps * steps - 1.0
+  expanded = 1.0 / (steps * steps - steps * squared * y / 3.0
+                    + steps * squared * (steps - 2.0) * y * y / 12.0)
   return steps * jnp.where(near, expanded, closed)
 
 

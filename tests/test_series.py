@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import kfac_optax
+from kfac_optax import blocks
 from kfac_optax import linalg
 from kfac_optax import sharding
 from tests import brute_force as bf
@@ -82,8 +83,9 @@ def _run(case, option, bias=True, masked=False, steps=T):
       damping=DAMPING, inverse_update_period=1,
       layer_overrides=None if option is None else {"time/*": option})
   v = jax.tree.map(lambda p: jax.random.normal(jax.random.key(4), p.shape), params)
-  out, state = jax.jit(lambda s: tx.update(v, s, params, batch=batch))(tx.init(params))
-  return state.factors["time/dense"], out, v, (x, g, mask), (tx, state, params)
+  update = jax.jit(lambda s, b: tx.update(v, s, params, batch=b))
+  out, state = update(tx.init(params), batch)
+  return state.factors["time/dense"], out, v, (x, g, mask), (tx, state, params, update)
 
 
 def _matrix(tree):
@@ -97,9 +99,11 @@ def _stats(run, bias=True):
   return bf.series_statistics(x, g, mask, bias)
 
 
-@pytest.mark.parametrize("bias,masked", [(True, False), (False, False), (True, True)])
-def test_statistics_match_explicit_sums(bias, masked):
-  run = _run("correlated", "series_option1", bias, masked)
+@pytest.mark.parametrize("bias,masked,option", [(True, False, "series_option1"),
+                                                (False, False, "series_option1"),
+                                                (True, True, "series_option2")])
+def test_statistics_match_explicit_sums(bias, masked, option):
+  run = _run("correlated", option, bias, masked)
   factors = run[0]
   for actual, expected in zip((factors.a, factors.a_lag, factors.g, factors.g_lag),
                               _stats(run, bias)):
@@ -108,12 +112,11 @@ def test_statistics_match_explicit_sums(bias, masked):
 
 def test_masked_steps_leave_statistics_unchanged():
   """Inputs at masked steps never enter A0/A1 (nor, through pairs, G1)."""
-  factors, _, _, (x, g, mask), (tx, _, params) = _run("correlated", "series_option2",
-                                                      masked=True)
+  factors, _, _, (x, g, mask), (tx, _, params, update) = _run(
+      "correlated", "series_option2", masked=True)
   changed = jnp.where(mask[..., None] > 0, x, 100.0)
   targets = OverTime(True).apply({"params": params}, changed) - g
-  _, state = jax.jit(lambda s: tx.update(params, s, params, batch=(changed, targets, mask)))(
-      tx.init(params))
+  _, state = update(tx.init(params), (changed, targets, mask))
   assert bf.relative_error(state.factors["time/dense"], factors) < 1e-6
   # "independent" (steps as rows) keeps the masked steps out too.
   a0, _, g0, _ = bf.series_statistics(x, g, mask)
@@ -159,10 +162,16 @@ def test_option2_is_its_formula(case, bias):
 @pytest.mark.parametrize("case,steps,bias", [
     ("no_input_lag", T, False), ("no_gradient_lag", T, True), ("correlated", 1, True)])
 def test_series_equals_independent_without_lag_statistics(option, case, steps, bias):
-  series, independent = _run(case, option, bias, steps=steps), _run(case, None, bias, steps=steps)
-  lags = series[0].a_lag if case == "no_input_lag" else series[0].g_lag
+  """Without A1 (or G1) both options are `independent`'s (A0 + π√λ)⁻¹ V (G0 + √λ/π)⁻¹."""
+  run = _run(case, option, bias, steps=steps)
+  lags = run[0].a_lag if case == "no_input_lag" else run[0].g_lag
   assert float(jnp.max(jnp.abs(lags))) == 0.0
-  assert bf.relative_error(series[1], independent[1]) < 1e-5
+  a0, _, g0, _ = _stats(run, bias)
+  v = run[2]["time"]["dense"]
+  expected = bf.kronecker_precondition(a0, g0, v["kernel"], v.get("bias"), DAMPING)
+  assert bf.relative_error(run[1]["time"]["dense"], expected) < 1e-4
+  if steps == 1:  # and K-FAC's own independent block agrees
+    assert bf.relative_error(run[1], _run(case, None, bias, steps=steps)[1]) < 1e-5
 
 
 def test_independent_is_the_default():
@@ -170,8 +179,19 @@ def test_independent_is_the_default():
                            _run("correlated", None, steps=1)[1]) == 0.0
 
 
+@pytest.mark.parametrize("steps", [1, 2, 7, 300])
+def test_scaled_gamma_is_the_lag_sum_up_to_x_equal_one(steps):
+  """``T γ_T(x) = T / Σ_{|d|<T} (T-|d|) x^{|d|}``, also where the closed form is 0/0."""
+  x = np.asarray(jnp.asarray(np.concatenate(
+      [[0.0, 0.5, 1.0], 1 - np.geomspace(1e-7, 1, 60) / steps]), jnp.float32), np.float64)
+  lags = np.arange(-(steps - 1), steps)
+  expected = steps / np.sum((steps - np.abs(lags)) * x[:, None] ** np.abs(lags), 1)
+  actual = blocks._scaled_gamma(jnp.asarray(x, jnp.float32), jnp.float32(steps))
+  assert np.max(np.abs(actual - expected) / expected) < 5e-5
+
+
 def test_multiply_inverse_is_precondition_and_other_powers_raise():
-  _, out, v, _, (tx, state, params) = _run("correlated", "series_option2")
+  _, out, v, _, (tx, state, params, _) = _run("correlated", "series_option2")
   curvature = kfac_optax.Curvature(
       OverTime(True).apply, kfac_optax.losses.squared_error(), example_batch=_run(
           "correlated", "series_option2")[3][:2], estimation="empirical",
@@ -266,8 +286,8 @@ def test_series_decompositions_distribute_over_a_mesh():
   tree = {option: linalg.DampedLag(c0, c1, jnp.array([0.1, 0.2, 0.3]), option)
           for option in ("series_option1", "series_option2")}
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-  alone = jax.jit(lambda t: linalg.invert_all(t, "eigh"))(tree)
-  spread = jax.jit(lambda t: linalg.invert_all(t, "eigh", sharding.stack_sharding(mesh)))(tree)
+  alone, spread = jax.jit(lambda t: (linalg.invert_all(t, "eigh"), linalg.invert_all(
+      t, "eigh", sharding.stack_sharding(mesh))))(tree)
   for option in tree:
     w = lambda x: jax.tree.map(np.asarray, x)
     # compare the operators, not eigenvectors (their signs are arbitrary)
@@ -290,7 +310,7 @@ def test_lstm_input_width_equal_to_steps_is_time_not_a_layer_stack():
       return nn.Dense(3, name="head")(h[:, -1])
 
   x = jax.random.normal(jax.random.key(0), (5, 3, 3))  # width == steps == 3
-  params = Net().init(jax.random.key(1), x)["params"]
+  params = jax.jit(Net().init)(jax.random.key(1), x)["params"]
   tx = kfac_optax.scale_by_kfac(Net().apply, kfac_optax.losses.softmax_cross_entropy(),
                                 example_batch=(x, jnp.arange(5) % 3),
                                 layer_overrides={"cell/ii": "series_option1"})
@@ -303,14 +323,14 @@ def test_lstm_input_width_equal_to_steps_is_time_not_a_layer_stack():
 @pytest.mark.parametrize("option", ["series_option1", "series_option2"])
 def test_initial_state_has_distinct_buffers(option):
   """A state passed with donate_argnums must not hold one buffer twice."""
-  tx, _, params = _run("correlated", option)[4]
+  tx, _, params, _ = _run("correlated", option)[4]
   leaves = jax.tree.leaves(tx.init(params))
   assert len({leaf.unsafe_buffer_pointer() for leaf in leaves}) == len(leaves)
 
 
 def test_series_state_checkpoints(tmp_path):
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  _, _, _, _, (tx, state, params) = _run("correlated", "series_option1")
+  _, _, _, _, (tx, state, params, _) = _run("correlated", "series_option1")
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(tmp_path / "state", state)
   checkpointer.wait_until_finished()
