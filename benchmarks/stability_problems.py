@@ -212,8 +212,6 @@ class AttentionClassifier(nn.Module):
 class LSTMLM(nn.Module):
   """Character LM: embedding → LSTM (`nn.RNN`, every step a K-FAC row) → dense."""
   vocab_size: int
-  # Not SEQ_LEN wide: kfac_optax takes a bias-free layer inside nn.RNN whose
-  # input width equals the number of time steps for an nn.scan layer stack.
   embed: int = 24
   hidden: int = 64
 

@@ -207,22 +207,225 @@ class KroneckerBlock:
   def precondition(self, inverses: KroneckerFactors, grads: dict) -> dict:
     """Maps ``{kernel: ∇W[, bias: ∇b]}`` (leaves by `param_names`) to its
     preconditioned leaves, in the inverses' dtype."""
-    layout, dtype = self.layout, inverses.a.dtype
-    kernel, *bias = self.param_names
-    stacked = layout.kernel_matrix(grads[kernel].astype(dtype))
-    if bias:
-      stacked = jnp.concatenate(
-          [stacked, layout.bias_matrix(grads[bias[0]].astype(dtype))[:, None]], 1)
+    stacked = self._gradient_matrix(grads, inverses.a.dtype)
     if self.diagonal_input:  # diag(a) @ V scales V's rows
       stacked = inverses.a[:, :, None] * stacked
     else:
       stacked = inverses.a @ stacked
-    result = (stacked * inverses.g[:, None, :] if self.diagonal_output
-              else stacked @ inverses.g)
-    out = {kernel: layout.kernel_from_matrix(result[:, :layout.in_dim])}
+    return self._gradient_leaves(stacked * inverses.g[:, None, :] if self.diagonal_output
+                                 else stacked @ inverses.g)
+
+  def _gradient_matrix(self, grads: dict, dtype) -> jax.Array:
+    """``V = [∇W; ∇b]``, ``(S, in_dim [+ 1], out_dim)``."""
+    kernel, *bias = self.param_names
+    stacked = self.layout.kernel_matrix(grads[kernel].astype(dtype))
     if bias:
-      out[bias[0]] = layout.bias_from_matrix(result[:, layout.in_dim])
+      stacked = jnp.concatenate(
+          [stacked, self.layout.bias_matrix(grads[bias[0]].astype(dtype))[:, None]], 1)
+    return stacked
+
+  def _gradient_leaves(self, matrix: jax.Array) -> dict:
+    """The inverse of `_gradient_matrix`."""
+    layout, (kernel, *bias) = self.layout, self.param_names
+    out = {kernel: layout.kernel_from_matrix(matrix[:, :layout.in_dim])}
+    if bias:
+      out[bias[0]] = layout.bias_from_matrix(matrix[:, layout.in_dim])
     return out
+
+
+SERIES_OPTIONS = tuple(linalg.SERIES_DECOMPOSITIONS)  # "series_option1", "series_option2"
+
+
+class SeriesFactors(NamedTuple):
+  """Statistics of a layer shared over time: ``A0``, ``G0`` (fields ``a``,
+  ``g``, as in `KroneckerFactors`) and the lag-1 ``A1``, ``G1``."""
+  a: jax.Array
+  g: jax.Array
+  a_lag: jax.Array
+  g_lag: jax.Array
+
+
+class SeriesInverses(NamedTuple):
+  """A series block's refreshed factors: `linalg.Whitened` (option 1) or
+  `linalg.Transition` (option 2) for ``A`` and ``G``, and the number of time
+  steps ``T`` of the batch they were refreshed on (option 1's ``Γ``), ``(S,)``."""
+  a: Any
+  g: Any
+  steps: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SeriesBlock(KroneckerBlock):
+  """A layer applied at ``T`` time steps with shared weights, as a series.
+
+  Martens, Ba & Johnson (2018) model the per-step ``ā_t`` and ``g_t`` as
+  stationary series whose Fisher block is
+  ``Σ_{t,s} E[ā_t ā_sᵀ] ⊗ E[g_t g_sᵀ]``. With ``R`` rows (T steps × M rows
+  per step, masked ones excluded) and ``L`` loss terms:
+
+  .. math::
+    A_0 = \\frac{1}{R}\\sum_{t,m} ā_{t} ā_{t}^T,\\quad
+    A_1 = \\frac{1}{R}\\sum_{t<T-1,m} ā_{t+1} ā_{t}^T,\\quad
+    G_0 = \\frac{1}{L}\\sum_{k,t,m} g g^T,\\quad
+    G_1 = \\frac{1}{L}\\sum_{k,t<T-1,m} g_{t+1} g_t^T
+
+  (a pair counts only where both steps are unmasked), damped as
+  ``C̃0 = C0 + d_C I`` with the π-split of λ computed from ``A0`` and ``G0``.
+  For ``V = [∇W; ∇b]``:
+
+  - ``series_option1`` (exact for the symmetric process model): with
+    ``Ψ̂ = C̃0^{-1/2} sym(C1) C̃0^{-1/2} = U diag(ψ) Uᵀ``, ``L = C̃0^{-1/2} U``,
+    ``U_out = L_A [(L_Aᵀ V L_G) ∘ Γ] L_Gᵀ``, ``Γ_ij = T γ_T(|ψ_A,i| |ψ_G,j|)``,
+    ``γ_T(x) = (1-x)² / (T(1-x²) - 2x(1-x^T))``: the inverse of
+    ``(1/T) Σ_{|d|<T} (T-|d|) (Ã0^{1/2} Ψ̂_A^{|d|} Ã0^{1/2}) ⊗ (G̃0^{1/2} Ψ̂_G^{|d|} G̃0^{1/2})``.
+  - ``series_option2`` (a linear-dynamics model, for long sequences):
+    ``P = C1ᵀ C̃0⁻¹``, ``K = C̃0^{-1/2} E``, ``μ = min(s², 1)`` from the SVD
+    ``C̃0^{-1/2} C1 C̃0^{-1/2} = U diag(s) Eᵀ``; ``Z = V - P_A V P_Gᵀ``,
+    ``Z = K_A [(K_Aᵀ Z K_G) / (1 - μ_A μ_Gᵀ)] K_Gᵀ``, ``U_out = Z - P_Aᵀ Z P_G``.
+
+  Both equal `KroneckerBlock`'s ``Ã0⁻¹ V G̃0⁻¹`` when ``A1`` or ``G1`` vanish
+  (``T·γ_T(0) = 1``). The captured arrays carry the time axis second,
+  ``(N, T, ...)`` (gradients ``(K, N, T, ...)``; see `BatchMajor`), so a
+  loss mask ``(N, T)`` or ``(N,)`` weighs the rows as in `losses.Terms`.
+
+  Attributes:
+    option: ``"series_option1"`` or ``"series_option2"``.
+    num_steps: ``T``.
+
+  References:
+    Martens, Ba & Johnson, "Kronecker-factored Curvature Approximations for
+    Recurrent Neural Networks", ICLR 2018.
+  """
+
+  option: str = SERIES_OPTIONS[0]
+  num_steps: int = 1
+
+  def init(self) -> tuple[SeriesFactors, SeriesInverses]:
+    """Zero statistics and factors that precondition as the identity."""
+    # Distinct zero arrays: a donated state must not alias buffers.
+    zeros = lambda: super(SeriesBlock, self).init()[0]
+    (eye_a, eye_g), stacks = super().init()[1], self.layout.num_stacks
+    if self.option == "series_option1":
+      a = linalg.Whitened(eye_a, jnp.zeros(eye_a.shape[:2]))
+      g = linalg.Whitened(eye_g, jnp.zeros(eye_g.shape[:2]))
+    else:
+      a = linalg.Transition(zeros().a, eye_a, jnp.zeros(eye_a.shape[:2]))
+      g = linalg.Transition(zeros().g, eye_g, jnp.zeros(eye_g.shape[:2]))
+    return SeriesFactors(*zeros(), *zeros()), SeriesInverses(a, g, jnp.ones((stacks,)))
+
+  def statistics(self, inputs, output_grads, terms) -> SeriesFactors:
+    """Batch estimates of ``A0, G0, A1, G1`` from every call of the layer."""
+    a = a_lag = g = g_lag = num_rows = 0.0
+    for x, dy in zip(inputs, output_grads):  # x: (N, T, ...), dy: (K, N, T, ...)
+      rows = jax.vmap(self._rows, in_axes=1)(x)  # (T, S, M, d): rows of each step
+      grad_rows = jax.vmap(self.layout.output_rows, in_axes=2)(dy)  # (T, S, K·M, k)
+      weights = _step_weights(terms, x.shape, rows.shape[0] * rows.shape[2])
+      gram, lag = _lagged_grams(rows, weights)
+      a, a_lag, num_rows = a + gram, a_lag + lag, num_rows + jnp.sum(weights)
+      gram, lag = _lagged_grams(grad_rows, jnp.tile(weights, (1, dy.shape[0])))
+      g, g_lag = g + gram, g_lag + lag
+    return SeriesFactors(a / num_rows, g / terms.count,
+                         a_lag / num_rows, g_lag / terms.count)
+
+  def damped(self, factors: SeriesFactors, damping: jax.Array) -> SeriesInverses:
+    """``(C0, C1)`` pairs with the π-split damping, to decompose
+    (`linalg.invert_all`)."""
+    a, g = super().damped(KroneckerFactors(factors.a, factors.g), damping)
+    steps = jnp.full(factors.a.shape[:1], self.num_steps, factors.a.dtype)
+    return SeriesInverses(linalg.DampedLag(a.matrix, factors.a_lag, a.damping, self.option),
+                          linalg.DampedLag(g.matrix, factors.g_lag, g.damping, self.option),
+                          steps)
+
+  def precondition(self, inverses: SeriesInverses, grads: dict) -> dict:
+    a, g = inverses.a, inverses.g
+    v = self._gradient_matrix(grads, inverses.steps.dtype)
+    t = lambda m: jnp.swapaxes(m, -1, -2)
+    if self.option == "series_option1":
+      gamma = _scaled_gamma(a.psi[:, :, None] * g.psi[:, None, :],
+                            inverses.steps[:, None, None])
+      u = a.l @ ((t(a.l) @ v @ g.l) * gamma) @ t(g.l)
+    else:
+      z = v - a.p @ v @ t(g.p)
+      denominator = 1.0 - a.mu[:, :, None] * g.mu[:, None, :]
+      z = t(a.k) @ z @ g.k / jnp.where(denominator == 0, 1.0, denominator)
+      z = a.k @ z @ t(g.k)
+      u = z - t(a.p) @ z @ g.p
+    return self._gradient_leaves(u)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchMajor:
+  """The block of a layer applied at every step of an nn.RNN/nn.scan over time.
+
+  The lifted transform stacks the layer's captured arrays along a leading
+  time axis, ``(T, N, ...)`` (gradients ``(K, T, N, ...)``), while losses
+  are batch-major (a mask ``(N, T)``). ``inner`` gets them as ``(N, T, ...)``,
+  so its rows are example-major and `losses.Terms` masks line up with them.
+
+  Attributes:
+    inner: the block of the layer (`KroneckerBlock` or `SeriesBlock`).
+  """
+
+  inner: Any
+
+  @property
+  def param_names(self) -> tuple[str, ...]:
+    return self.inner.param_names
+
+  def init(self):
+    return self.inner.init()
+
+  def statistics(self, inputs, output_grads, terms):
+    # An unbatched layer input, (T, features), has no batch axis to swap.
+    swap = lambda x, axis: jnp.swapaxes(x, axis, axis + 1) if x.ndim > axis + 2 else x
+    return self.inner.statistics([swap(x, 0) for x in inputs],
+                                 [swap(g, 1) for g in output_grads], terms)
+
+  def damped(self, factors, damping):
+    return self.inner.damped(factors, damping)
+
+  def precondition(self, inverses, grads):
+    return self.inner.precondition(inverses, grads)
+
+
+def _step_weights(terms: losses.Terms, shape: tuple, num_rows: int) -> jax.Array:
+  """``(T, M)``: the loss mask's weights of the rows of ``(N, T, ...)``, by step."""
+  weights = terms.row_weights(shape, num_rows)  # example-major: (N, T, rows)
+  steps = shape[1]
+  if weights is None:
+    return jnp.ones((steps, num_rows // steps), jnp.float32)
+  return jnp.swapaxes(weights.reshape(shape[0], steps, -1), 0, 1).reshape(steps, -1)
+
+
+def _lagged_grams(rows: jax.Array, weights: jax.Array):
+  """``(T, S, R, d)`` rows -> ``(Σ_t w r_t r_tᵀ, Σ_{t<T-1} w_{t+1} w_t r_{t+1} r_tᵀ)``."""
+  rows = linalg.at_least_float32(rows)
+  w = weights[:, None, :, None]
+  gram = jnp.einsum("tsri,tsrj->sij", rows * w, rows, precision=_HIGHEST)
+  lag = jnp.einsum("tsri,tsrj->sij", rows[1:] * (w[1:] * w[:-1]), rows[:-1],
+                   precision=_HIGHEST)
+  return gram, lag
+
+
+def _scaled_gamma(x: jax.Array, steps: jax.Array) -> jax.Array:
+  """``Γ = T·γ_T(x)``, ``γ_T(x) = (1-x)² / (T(1-x²) - 2x(1-x^T))``, for x in [0, 1].
+
+  ``1/γ_T(x) = Σ_{|d|<T} (T-|d|) x^{|d|}``. In terms of ``y = 1-x`` (exact)
+  the denominator is ``T y (1+x) + 2x expm1(T log1p(-y))``, whose two terms
+  cancel to ``~T² y²`` as ``y → 0`` (0/0 at ``x = 1``), losing ``~2ε/(T y)``
+  relative; for ``T y < 0.05`` the expansion
+  ``1/γ_T = T² - T(T²-1) y/3 + T(T²-1)(T-2) y²/12`` (error ``~(T y)³/60``)
+  replaces it: both within a few 10⁻⁶ relative in float32.
+  """
+  y = 1.0 - x
+  near = steps * y < 0.05
+  safe_y = jnp.where(near, 0.5, y)  # keeps the unused branch finite
+  closed = safe_y ** 2 / (steps * safe_y * (2.0 - safe_y) + 2.0 * (1.0 - safe_y)
+                          * jnp.expm1(steps * jnp.log1p(-safe_y)))
+  squared = steps * steps - 1.0
+  expanded = 1.0 / (steps * steps - steps * squared * y / 3.0
+                    + steps * squared * (steps - 2.0) * y * y / 12.0)
+  return steps * jnp.where(near, expanded, closed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -440,7 +643,8 @@ class StackedBlock:
 
 def block_for(layout: Any, layer_params: dict, stack_shape: tuple = (),
               other_methods: tuple[str, ...] = (), *, structure: str | None = None,
-              max_factor_dim: int | None = None) -> Any:
+              max_factor_dim: int | None = None, series: str | None = None,
+              time_axes: tuple = ()) -> Any:
   """The curvature block of a captured layer, from its layout and params.
 
   Args:
@@ -454,11 +658,27 @@ def block_for(layout: Any, layer_params: dict, stack_shape: tuple = (),
       a Kronecker block are diagonal, or None to decide by ``max_factor_dim``.
     max_factor_dim: a Kronecker factor larger than this (``in_dim + 1``
       with a bias, ``out_dim``) is kept diagonal; None: no bound.
+    series: a `SERIES_OPTIONS` value for a dense layer with one time axis,
+      or None.
+    time_axes: the sizes of the leading axes (after the stack axes) that
+      the inputs and output gradients have and the params lack: time steps
+      of an nn.RNN or nn.scan over time.
   """
   slice_params = {k: jax.ShapeDtypeStruct(v.shape[len(stack_shape):], v.dtype)
                   for k, v in layer_params.items()}
   block = _unstacked_block(layout, slice_params, other_methods, structure,
                            max_factor_dim)
+  if series is not None:
+    if block.diagonal_input or block.diagonal_output:
+      raise ValueError(
+          f"{series!r} needs both Kronecker factors in full, but this layer's "
+          f"(in {layout.in_dim + block.has_bias}, out {layout.out_dim}) exceed "
+          f"max_factor_dim={max_factor_dim}. Fix: raise max_factor_dim (None: "
+          "no bound), or give the layer 'independent'.")
+    block = SeriesBlock(layout, block.has_bias, option=series,
+                        num_steps=time_axes[0])
+  if len(time_axes) == 1 and isinstance(block, KroneckerBlock):
+    block = BatchMajor(block)
   if stack_shape and other_methods:
     raise NotImplementedError(
         f"{other_methods} calls of a layer stacked by a lifted transform are "

@@ -60,9 +60,11 @@ class _Interceptor:
   """Hooks every captured layer call; optionally records layouts by path."""
 
   def __init__(self, found_layouts: dict[Path, Any] | None = None,
-               output_shapes: dict[Path, tuple[int, ...]] | None = None):
+               output_shapes: dict[Path, tuple[int, ...]] | None = None,
+               param_shapes: dict[Path, dict[str, tuple[int, ...]]] | None = None):
     self.layouts = found_layouts
     self.output_shapes = output_shapes
+    self.param_shapes = param_shapes
     self.busy = False  # a kind's own helper calls are not layer calls
     self.callers: list[nn.Module] = []  # modules whose methods are running
 
@@ -106,6 +108,9 @@ class _Interceptor:
     if self.layouts is not None and method == CALL:
       self._record(tuple(owner.path), kind.layout(module, captured, output))
       self.output_shapes[tuple(owner.path)] = jnp.shape(output)
+      self.param_shapes[tuple(owner.path)] = {
+          name: jnp.shape(value)
+          for name, value in module.variables.get("params", {}).items()}
     return owner.perturb(_output_name(method, len(previous_calls)), output,
                          collection=PERTURBATIONS)
 
@@ -140,6 +145,9 @@ class Discovered(NamedTuple):
     output_shapes: module path -> output shape as the layer itself saw it;
       the collections' arrays have extra leading axes where a lifted
       transform stacked them (e.g. the layer axis of nn.scan).
+    param_shapes: module path -> {param name: shape as the layer itself saw
+      it}; the params tree has extra leading axes only for the transforms
+      that stacked the params too (nn.scan over layers, not over time).
     perturbations: abstract (ShapeDtypeStruct) ``kfac_perturbations``
       collection, to be filled with zeros for `capture`.
     outputs: the model's abstract return value.
@@ -148,6 +156,7 @@ class Discovered(NamedTuple):
   num_calls: dict[Path, int]
   other_methods: dict[Path, tuple[str, ...]]
   output_shapes: dict[Path, tuple[int, ...]]
+  param_shapes: dict[Path, dict[str, tuple[int, ...]]]
   perturbations: Any
   outputs: Any
 
@@ -186,10 +195,10 @@ def discover(
     mutable: collections the model may write besides K-FAC's own; True makes
       every collection mutable, so missing ones (e.g. batch_stats) get created.
   """
-  found, shapes = {}, {}
+  found, shapes, param_shapes = {}, {}, {}
   if not isinstance(mutable, bool):
     mutable = [*mutable, INPUTS, PERTURBATIONS]
-  interceptor = _Interceptor(found, shapes)
+  interceptor = _Interceptor(found, shapes, param_shapes)
   # The inputs go through eval_shape as arguments: they may be ShapeDtypeStructs.
   outputs, collections = jax.eval_shape(
       lambda v, a: hooked_apply(apply_fn, a, apply_kwargs, mutable, interceptor)(v),
@@ -204,6 +213,7 @@ def discover(
       num_calls={path: len(calls) for path, calls in inputs.get(CALL, {}).items()},
       other_methods=other_methods,
       output_shapes=shapes,
+      param_shapes=param_shapes,
       perturbations=collections.get(PERTURBATIONS, {}),
       outputs=outputs)
 

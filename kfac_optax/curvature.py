@@ -38,7 +38,8 @@ from kfac_optax import summary
 
 Path = tuple[str, ...]
 FALLBACK = "<diagonal>"  # state key of the diagonal fallback block
-_OVERRIDES = ("skip", "diagonal", *blocks.KRONECKER_STRUCTURES)
+_OVERRIDES = ("skip", "diagonal", *blocks.KRONECKER_STRUCTURES, "independent",
+              *blocks.SERIES_OPTIONS)
 # Factors above this size are kept diagonal by default (max_factor_dim="auto").
 # Timed with benchmarks/factor_inverse.py (results/factor_inverse.json): on
 # 2 CPU cores one float32 eigh takes 0.53 s at 2048, 3.6 s at 4096, 12 s at
@@ -186,17 +187,47 @@ def _is_params_error(error: Exception) -> bool:
               and '"params"' in str(error)))
 
 
-def _stack_shape(inside: tuple, outside: tuple, layer_params: dict) -> tuple:
-  """Leading axes a lifted transform added that the layer's params share too.
+def _lifted_axes(inside: tuple, outside: tuple, layer_params: dict,
+                 inside_params: dict) -> tuple[tuple, tuple]:
+  """``(stack, time)``: the leading axes a lifted transform added to a layer.
 
   ``inside`` is the layer output's shape as the layer saw it, ``outside`` the
-  shape of its collected perturbation. Extra leading axes on both the
-  collections and every param (nn.scan layer stacks) make one block per
-  slice; extra axes the params lack (nn.RNN over time) are just more rows.
+  shape of its collected perturbation; ``inside_params`` the param shapes as
+  the layer saw them. The params' own extra leading axes (nn.scan or nn.vmap
+  over layers) are the stack: one block per slice. The collections' further
+  axes, which the params lack (nn.RNN or nn.scan over time, params
+  broadcast), are time steps: rows of the block, or a series (see
+  `blocks.SeriesBlock`). Counting axes, not matching sizes, keeps an input
+  width equal to the number of steps (LSTMCell's bias-free ``ii`` kernel is
+  (width, features)) from passing for a stack.
   """
   extra = outside[:len(outside) - len(inside)]
-  shared = all(jnp.shape(p)[:len(extra)] == extra for p in layer_params.values())
-  return extra if shared else ()
+  ranks = {len(jnp.shape(p)) - len(inside_params[k]) for k, p in layer_params.items()
+           if k in inside_params}
+  rank = ranks.pop() if len(ranks) == 1 else 0
+  return extra[:rank], extra[rank:]
+
+
+def _series_option(path: Path, override: str | None, time: tuple,
+                   layout: Any) -> str | None:
+  """The layer's series option, checked against its kind and time axes."""
+  if override not in blocks.SERIES_OPTIONS:
+    return None
+  if not isinstance(layout, layouts.DenseLayout):
+    raise ValueError(
+        f"layer_overrides gives {_key(path)!r} {override!r}, but series "
+        "blocks are for Dense/DenseGeneral layers (this one has a "
+        f"{type(layout).__name__}). Fix: apply the series option only to "
+        "dense layers shared over time steps.")
+  if len(time) != 1:
+    raise ValueError(
+        f"layer_overrides gives {_key(path)!r} {override!r}, but that layer "
+        f"has {len(time)} time axes (leading axes of K-FAC's collections that "
+        "its params lack); a series block needs exactly one: the layer must "
+        "run inside one nn.RNN or nn.scan over time whose variable_axes put "
+        "'kfac_inputs' and 'kfac_perturbations' at axis 0. Fix: apply the "
+        "series option only to such layers, or use 'independent'.")
+  return override
 
 
 def _check_real_floating(flat_params: dict[Path, Any]) -> None:
@@ -517,17 +548,19 @@ class Curvature:
         continue
       if path not in discovered.num_calls:
         raise capture.not_threaded_error(path)
-      stack_shape = _stack_shape(discovered.output_shapes[path],
-                                 perturbations[path][0].shape, layer_params)
-      _check_layer_params(path, layout, layer_params, stack_shape)
+      stack, time = _lifted_axes(
+          discovered.output_shapes[path], perturbations[path][0].shape,
+          layer_params, discovered.param_shapes[path])
+      _check_layer_params(path, layout, layer_params, stack)
       other_methods = discovered.other_methods.get(path, ())
       if path in tied:
         other_methods = tuple(sorted({*other_methods, "attend"}))
       block = blocks.block_for(
-          layout, layer_params, stack_shape, other_methods,
+          layout, layer_params, stack, other_methods,
           structure=override if override in blocks.KRONECKER_STRUCTURES else None,
           max_factor_dim=(DEFAULT_MAX_FACTOR_DIM if self.max_factor_dim == "auto"
-                          else self.max_factor_dim))
+                          else self.max_factor_dim),
+          series=_series_option(path, override, time, layout), time_axes=time)
       layers[_key(path)] = (path, block)
       owned.update(path + (name,) for name in block.param_names)
     fallback_paths = {_key(k): k for k in flat_params if k not in owned}

@@ -5,8 +5,9 @@ similar size are stacked into buckets and inverted in one vmapped call per
 bucket, optionally with the stack sharded over devices.
 """
 
+import dataclasses
 import math
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +99,59 @@ class DampedDiagonal(NamedTuple):
   damping: jax.Array
 
 
+class Whitened(NamedTuple):
+  """Series option 1's factor: the whitened, symmetrised lag-1 moment.
+
+  ``Ψ̂ = C̃0^{-1/2} ((C1 + C1ᵀ)/2) C̃0^{-1/2} = U diag(ψ) Uᵀ`` with
+  ``C̃0 = C0 + d I``; kept as ``l = C̃0^{-1/2} U`` and ``psi = |ψ|``.
+  """
+  l: jax.Array
+  psi: jax.Array
+
+
+class Transition(NamedTuple):
+  """Series option 2's factor: a linear transition ``x_{t+1} ≈ Pᵀ x_t``.
+
+  ``p = C1ᵀ C̃0⁻¹``; with the SVD ``C̃0^{-1/2} C1 C̃0^{-1/2} = U diag(s) Eᵀ``,
+  ``k = C̃0^{-1/2} E`` and ``mu = min(s², 1)``.
+  """
+  p: jax.Array
+  k: jax.Array
+  mu: jax.Array
+
+
+def whitened(c0: jax.Array, c1: jax.Array, damping: jax.Array) -> Whitened:
+  """`Whitened` of one (C0, C1) pair; ``|ψ|`` as the original takes it."""
+  root = damped_power(c0, damping, -0.5, "eigh")
+  psi, u = jnp.linalg.eigh(root @ ((c1 + c1.T) / 2) @ root)
+  return Whitened(root @ u, jnp.abs(psi))
+
+
+def transition(c0: jax.Array, c1: jax.Array, damping: jax.Array) -> Transition:
+  """`Transition` of one (C0, C1) pair."""
+  root = damped_power(c0, damping, -0.5, "eigh")
+  _, s, e_t = jnp.linalg.svd(root @ c1 @ root)
+  return Transition(c1.T @ root @ root, root @ e_t.T, jnp.minimum(s * s, 1.0))
+
+
+SERIES_DECOMPOSITIONS: dict[str, Callable[..., Any]] = {
+    "series_option1": whitened, "series_option2": transition}
+
+
+@dataclasses.dataclass(frozen=True)
+class DampedLag:
+  """Moments ``C0`` and lag-1 ``C1`` ``(..., d, d)`` with ``damping`` (...),
+  to decompose as ``option`` (a key of `SERIES_DECOMPOSITIONS`)."""
+  matrix: jax.Array
+  lag: jax.Array
+  damping: jax.Array
+  option: str
+
+
+jax.tree_util.register_dataclass(DampedLag, data_fields=["matrix", "lag", "damping"],
+                                 meta_fields=["option"])
+
+
 def damped_power(matrix: jax.Array, damping: jax.Array, power: float,
                  method: str) -> jax.Array:
   """``(M + damping·I)^power`` for a symmetric PSD ``M``.
@@ -165,13 +219,18 @@ def invert_all(tree: Any, method: str, stack_sharding: Any = None,
     max_padding: see `bucket_sizes`.
     power: the exponent (see `damped_power`).
 
+  `DampedLag` leaves (the series blocks of recurrent layers) are replaced by
+  their decomposition (`Whitened` or `Transition`), stacked by exact size
+  and distributed the same way; they support ``power=-1`` only.
+
   Returns:
     ``tree`` with each `Damped` leaf replaced by an array of its matrix's shape.
   """
-  is_damped = lambda x: isinstance(x, (Damped, DampedDiagonal))
+  is_damped = lambda x: isinstance(x, (Damped, DampedDiagonal, DampedLag))
   leaves, treedef = jax.tree.flatten(tree, is_leaf=is_damped)
   results = [_diagonal_power(leaf, power) if isinstance(leaf, DampedDiagonal)
              else leaf for leaf in leaves]
+  _decompose_lags(leaves, results, stack_sharding, power)
   requests = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, Damped)}
   buckets = bucket_sizes(leaf.matrix.shape[-1] for leaf in requests.values())
   for bucket in sorted(set(buckets.values())):
@@ -189,18 +248,8 @@ def invert_all(tree: Any, method: str, stack_sharding: Any = None,
       dampings.append(jnp.broadcast_to(requests[i].damping, requests[i].matrix.shape[:-2])
                       .reshape(-1).astype(matrix.dtype))
     stack, damping = jnp.concatenate(matrices), jnp.concatenate(dampings)
-    count = len(stack)
     each = lambda m, d: damped_power(m, d, power, method)
-    if stack_sharding is None:
-      inverted = _over_stack(each, stack, damping)
-    else:
-      extra = -count % stack_sharding.num_shards
-      stack = jnp.concatenate([stack, jnp.broadcast_to(
-          jnp.eye(bucket, dtype=stack.dtype), (extra, bucket, bucket))])
-      damping = jnp.concatenate([damping, jnp.ones((extra,), damping.dtype)])
-      inverted = stack_sharding.map(
-          lambda s, d, real: _over_stack(each, s, d, real), stack, damping,
-          jnp.arange(count + extra) < count)
+    inverted = _distributed(each, (stack, damping), stack_sharding)
     offset = 0
     for i in members:
       shape = requests[i].matrix.shape
@@ -217,8 +266,55 @@ def _diagonal_power(diagonal: DampedDiagonal, power: float) -> jax.Array:
   return (jnp.maximum(diagonal.values, 0.0) + damping) ** power
 
 
-def _over_stack(each, stack: jax.Array, damping: jax.Array,
-                real: jax.Array | None = None) -> jax.Array:
+def _decompose_lags(leaves: list, results: list, stack_sharding: Any,
+                    power: float) -> None:
+  """Puts the decomposition of every `DampedLag` of ``leaves`` into ``results``."""
+  requests = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, DampedLag)}
+  if requests and power != -1:
+    raise NotImplementedError(
+        f"power={power}: the series blocks of recurrent layers (layer_overrides "
+        "'series_option1'/'series_option2') give only the damped inverse, "
+        "power=-1 (as the original K-FAC does); use 'independent' for those "
+        "layers to get other powers")
+  groups: dict[tuple, list[int]] = {}
+  for i, leaf in requests.items():
+    groups.setdefault((leaf.option, leaf.matrix.shape[-1]), []).append(i)
+  for (option, size), members in groups.items():
+    dtype = at_least_float32(requests[members[0]].matrix).dtype
+    stack = lambda field: jnp.concatenate(
+        [jnp.reshape(field(requests[i]), (-1, size, size)) for i in members]).astype(dtype)
+    damping = jnp.concatenate([jnp.broadcast_to(
+        requests[i].damping, requests[i].matrix.shape[:-2]).reshape(-1)
+                               for i in members]).astype(dtype)
+    stacks = (stack(lambda r: r.matrix), stack(lambda r: r.lag), damping)
+    decomposed = _distributed(SERIES_DECOMPOSITIONS[option], stacks, stack_sharding)
+    offset = 0
+    for i in members:
+      lead = requests[i].matrix.shape[:-2]
+      num = math.prod(lead)
+      results[i] = jax.tree.map(lambda x: x[offset:offset + num].reshape(*lead, *x.shape[1:]),
+                                decomposed)
+      offset += num
+
+
+def _distributed(each: Callable[..., Any], stacks: tuple, stack_sharding: Any) -> Any:
+  """``each`` over the leading axis of ``stacks``, split over devices if sharded.
+
+  With ``stack_sharding`` the stacks are padded to a multiple of its
+  ``num_shards`` (with copies of their first entry, skipped on CPU), so
+  every device handles an equal share; the results are gathered back.
+  """
+  if stack_sharding is None:
+    return _over_stack(each, *stacks)
+  count = len(stacks[0])
+  extra = -count % stack_sharding.num_shards
+  padded = [jnp.concatenate([s, jnp.broadcast_to(s[:1], (extra, *s.shape[1:]))])
+            for s in stacks]
+  real = jnp.arange(count + extra) < count
+  return stack_sharding.map(lambda r, *s: _over_stack(each, *s, real=r), real, *padded)
+
+
+def _over_stack(each, *stacks: jax.Array, real: jax.Array | None = None) -> Any:
   """``each`` over a stack of matrices: vmapped, but one at a time on CPU.
 
   On CPU a batched eigh/Cholesky is one LAPACK custom call that fans the
@@ -230,8 +326,13 @@ def _over_stack(each, stack: jax.Array, damping: jax.Array,
   CPU devices share the same cores.
   """
   if jax.default_backend() != "cpu":
-    return jax.vmap(each)(stack, damping)
+    return jax.vmap(each)(*stacks)
   if real is None:
-    return jax.lax.map(lambda args: each(*args), (stack, damping))
+    return jax.lax.map(lambda args: each(*args), stacks)
+  shapes = jax.eval_shape(each, *(s[0] for s in stacks))
+
+  def skip(args):  # zeros derived from an input: varying over shard_map's axes too
+    zero = jnp.zeros_like(args[1].reshape(-1)[0])
+    return jax.tree.map(lambda x: jnp.broadcast_to(zero, x.shape).astype(x.dtype), shapes)
   return jax.lax.map(lambda args: jax.lax.cond(
-      args[2], lambda: each(args[0], args[1]), lambda: args[0]), (stack, damping, real))
+      args[0], lambda: each(*args[1:]), lambda: skip(args)), (real, *stacks))

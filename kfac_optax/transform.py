@@ -197,7 +197,10 @@ def scale_by_kfac(
       ``"kron_in_diag"`` keeps the input factor diagonal (``diag(A) ⊗ G``),
       ``"kron_out_diag"`` the output factor (``A ⊗ diag(G)``),
       ``"kron_both_diag"`` both, and ``"kron"`` neither, whatever
-      ``max_factor_dim`` says.
+      ``max_factor_dim`` says. For a dense layer applied at every step of an
+      ``nn.RNN``/``nn.scan`` over time, ``"independent"`` (the default)
+      counts the steps as rows, ``"series_option1"``/``"2"`` model them as
+      a series (`blocks.SeriesBlock`, Martens, Ba & Johnson 2018).
     tied_embeddings: ``{call path: embedding path}`` for a layer call that
       computes logits with an ``nn.Embed``'s table transposed through a
       submodule's own ``.apply`` (Hugging Face's ``tie_word_embeddings``:

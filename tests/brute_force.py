@@ -128,3 +128,94 @@ def relative_error(actual, expected):
                            for v in jax.tree.leaves(actual)])
   expected = np.concatenate([np.ravel(v) for v in jax.tree.leaves(expected)])
   return np.linalg.norm(actual - expected) / np.linalg.norm(expected)
+
+
+# -- series blocks (recurrent layers, Martens, Ba & Johnson 2018) ------------
+
+
+def series_statistics(x, g, mask=None, bias=True):
+  """A0, A1, G0, G1 by explicit loops over examples and steps.
+
+  ``x``: (N, T, d) inputs, ``g``: (N, T, k) output gradients, ``mask``:
+  (N, T) or None. R counts the unmasked rows, L the unmasked loss terms
+  (one per example and step here); a lag pair needs both steps unmasked.
+  """
+  x, g = np.asarray(x, np.float64), np.asarray(g, np.float64)
+  n, t = x.shape[:2]
+  w = np.ones((n, t)) if mask is None else np.asarray(mask, np.float64)
+  a = np.concatenate([x, np.ones((n, t, 1))], 2) if bias else x
+  a0, a1 = np.zeros((a.shape[2],) * 2), np.zeros((a.shape[2],) * 2)
+  g0, g1 = np.zeros((g.shape[2],) * 2), np.zeros((g.shape[2],) * 2)
+  for i in range(n):
+    for s in range(t):
+      a0 += w[i, s] * np.outer(a[i, s], a[i, s])
+      g0 += w[i, s] * np.outer(g[i, s], g[i, s])
+      if s + 1 < t:
+        pair = w[i, s + 1] * w[i, s]
+        a1 += pair * np.outer(a[i, s + 1], a[i, s])
+        g1 += pair * np.outer(g[i, s + 1], g[i, s])
+  rows = terms = w.sum()
+  return a0 / rows, a1 / rows, g0 / terms, g1 / terms
+
+
+def _inverse_root(c, d):
+  w, q = np.linalg.eigh(c)
+  return (q / np.sqrt(np.maximum(w, 0) + d)) @ q.T
+
+
+def _whitened(c0, c1, d):
+  root = _inverse_root(c0, d)
+  psi, u = np.linalg.eigh(root @ (c1 + c1.T) / 2 @ root)
+  return root @ u, psi
+
+
+def series_option1(stats, v, damping, steps):
+  """``L_A [(L_Aᵀ V L_G) ∘ T γ_T(|ψ_A| |ψ_G|)] L_Gᵀ`` from explicit eigh."""
+  a0, a1, g0, g1 = stats
+  da, dg = pi_damping(a0, g0, damping)
+  (la, psi_a), (lg, psi_g) = _whitened(a0, a1, da), _whitened(g0, g1, dg)
+  x = np.abs(psi_a)[:, None] * np.abs(psi_g)[None, :]
+  gamma = (1 - x) ** 2 / (steps * (1 - x ** 2) - 2 * x * (1 - x ** steps))
+  return la @ ((la.T @ v @ lg) * steps * gamma) @ lg.T
+
+
+def series_option1_fisher(stats, damping, steps, absolute=True):
+  """``(1/T) Σ_{|d|<T} (T-|d|) (Ã0^{1/2} Ψ̂_A^{|d|} Ã0^{1/2}) ⊗ (G̃0^{1/2} Ψ̂_G^{|d|} G̃0^{1/2})``.
+
+  With ``absolute`` Ψ̂ is replaced by ``U |ψ| Uᵀ`` (the original's choice).
+  """
+  a0, a1, g0, g1 = stats
+  da, dg = pi_damping(a0, g0, damping)
+
+  def parts(c0, c1, d):
+    w, q = np.linalg.eigh(c0)
+    root = (q * np.sqrt(np.maximum(w, 0) + d)) @ q.T
+    inverse_root = np.linalg.inv(root)
+    psi, u = np.linalg.eigh(inverse_root @ (c1 + c1.T) / 2 @ inverse_root)
+    psi = np.abs(psi) if absolute else psi
+    return root, u, psi
+  (ra, ua, pa), (rg, ug, pg) = parts(a0, a1, da), parts(g0, g1, dg)
+  fisher = 0.0
+  for lag in range(-(steps - 1), steps):
+    k = abs(lag)
+    left = ra @ (ua * pa ** k) @ ua.T @ ra
+    right = rg @ (ug * pg ** k) @ ug.T @ rg
+    fisher = fisher + (steps - k) * np.kron(left, right)
+  return fisher / steps
+
+
+def series_option2(stats, v, damping):
+  """Option 2's steps with ``P``, ``K``, ``μ`` from explicit inv and SVD."""
+  a0, a1, g0, g1 = stats
+  da, dg = pi_damping(a0, g0, damping)
+
+  def parts(c0, c1, d):
+    root = _inverse_root(c0, d)
+    _, s, e_t = np.linalg.svd(root @ c1 @ root)
+    return c1.T @ np.linalg.inv(c0 + d * np.eye(len(c0))), root @ e_t.T, np.minimum(s ** 2, 1)
+  (pa, ka, mua), (pg, kg, mug) = parts(a0, a1, da), parts(g0, g1, dg)
+  z = v - pa @ v @ pg.T
+  denominator = 1 - mua[:, None] * mug[None, :]
+  z = ka.T @ z @ kg / np.where(denominator == 0, 1, denominator)
+  z = ka @ z @ kg.T
+  return z - pa.T @ z @ pg
