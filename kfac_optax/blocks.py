@@ -671,8 +671,8 @@ def block_for(layout: Any, layer_params: dict, stack_shape: tuple = (),
   if series is not None:
     if block.diagonal_input or block.diagonal_output:
       raise ValueError(
-          f"{series!r} needs both Kronecker factors in full, but this layer's "
-          f"(in {layout.in_dim + block.has_bias}, out {layout.out_dim}) exceed "
+          f"{series!r} needs both Kronecker factors in full, but this layer's factors "
+          f"(A {layout.in_dim + block.has_bias}², G {layout.out_dim}²) exceed "
           f"max_factor_dim={max_factor_dim}. Fix: raise max_factor_dim (None: "
           "no bound), or give the layer 'independent'.")
     block = SeriesBlock(layout, block.has_bias, option=series,

@@ -478,6 +478,19 @@ class Curvature:
     return next((choice for pattern, choice in (self.layer_overrides or {}).items()
                  if fnmatch.fnmatchcase(name, pattern)), None)
 
+  def _warn_unmatched_overrides(self, params: Any) -> None:
+    """A ``layer_overrides`` pattern that matches no module is most likely a
+    typo (or a path of another nesting): say so instead of ignoring it."""
+    modules = sorted({_key(key[:-1]) for key in flatten(params)[0]})
+    unmatched = [pattern for pattern in self.layer_overrides or {}
+                 if not any(fnmatch.fnmatchcase(m, pattern) for m in modules)]
+    if unmatched:
+      warnings.warn(
+          f"layer_overrides patterns {unmatched} match no module path of this "
+          f"model, so they change nothing. Module paths: {modules[:8]}"
+          f"{' ...' if len(modules) > 8 else ''} (kfac_optax.describe(tx, params) "
+          "lists them with their blocks).", stacklevel=3)
+
   def _discover(self, params, batch, variables, mutable, what):
     """`capture.discover` on ``batch``; a failure is re-raised naming its cause.
 
@@ -601,6 +614,7 @@ class Curvature:
     plan = self._example_plan(params)
     if plan.unowned:
       warnings.warn(_unowned_message(plan), stacklevel=3)
+    self._warn_unmatched_overrides(params)
     summary.warn_if_mostly_fallback(self._summary(plan, params))
     for key, block in plan.all_blocks().items():
       factors[key], inverses[key] = jax.tree.map(lambda x: x.astype(dtype),

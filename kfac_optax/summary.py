@@ -20,6 +20,8 @@ KINDS = {
     "kron_in_diag": "diag(A) ⊗ G: input factor kept diagonal",
     "kron_out_diag": "A ⊗ diag(G): output factor kept diagonal",
     "kron_both_diag": "diag(A) ⊗ diag(G): both kept diagonal",
+    "series_option1": "A0, A1 and G0, G1: time steps as a stationary series",
+    "series_option2": "A0, A1 and G0, G1: time steps as linear dynamics",
     "embedding": "diag(A) ⊗ G, A the token frequencies",
     "tied embedding": "diag(A) ⊗ G, lookup and logits uses combined",
     "norm": "exact diagonal Fisher of scale and bias",
@@ -127,6 +129,13 @@ def _kind_and_factors(block: Any) -> tuple[str, tuple[Factor, ...], int]:
   stacks = 1
   while isinstance(block, blocks.StackedBlock):
     stacks, block = stacks * block.num_layers, block.inner
+  if isinstance(block, blocks.BatchMajor):  # time steps are rows
+    block = block.inner
+  if isinstance(block, blocks.SeriesBlock):
+    layout = block.layout
+    return (block.option, (Factor("A0,A1", layout.in_dim + block.has_bias, False),
+                           Factor("G0,G1", layout.out_dim, False)),
+            stacks * layout.num_stacks)
   if isinstance(block, blocks.KroneckerBlock):
     layout = block.layout
     return (_STRUCTURE_KINDS[block.diagonal_input, block.diagonal_output],

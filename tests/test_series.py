@@ -348,3 +348,24 @@ def test_series_state_checkpoints(tmp_path):
   assert isinstance(restored.inverses["time/dense"].a, linalg.Whitened)
   for leaf, expected in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
     np.testing.assert_array_equal(leaf, expected)
+
+
+@pytest.mark.parametrize("option,kind", [(None, "kronecker"),
+                                         ("series_option1", "series_option1"),
+                                         ("series_option2", "series_option2")])
+def test_describe_names_the_time_treatment(option, kind):
+  tx, _, params, _ = _run("correlated", option)[4]
+  row = next(r for r in kfac_optax.describe(tx, params).rows if r.path == "time/dense")
+  assert row.kind == kind
+  assert [(f.size, f.diagonal) for f in row.factors] == [(D + 1, False), (K, False)]
+
+
+def test_series_option_with_a_factor_over_max_factor_dim_names_the_fix():
+  x, _, params, targets = _problem("correlated", True, T)
+  tx = kfac_optax.scale_by_kfac(
+      OverTime().apply, kfac_optax.losses.squared_error(), example_batch=(x, targets),
+      layer_overrides={"time/*": "series_option2"}, max_factor_dim=3)
+  with pytest.raises(ValueError, match=r"'series_option2' needs both Kronecker "
+                     r"factors in full, but this layer's factors \(A 4², G 3²\) "
+                     r"exceed max_factor_dim=3. Fix: raise max_factor_dim"):
+    tx.init(params)

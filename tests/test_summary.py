@@ -194,3 +194,13 @@ def test_tied_embedding_row():
   assert [(r.path, r.kind, r.factor_text(), r.num_params) for r in summary.rows] == [
       ("embed", "tied embedding", "A diag 20 · G 8×8", 160),
       ("mix", "kronecker", "A 9×9 · G 8×8", 72)]
+
+
+def test_init_warns_about_a_layer_overrides_pattern_that_matches_nothing():
+  tx = kfac_optax.scale_by_kfac(
+      Mixed().apply, LOSS, **{**SETTINGS, "layer_overrides": {
+          "out": "diagonal", "RNN_0/*": "skip", "decoder/*": "diagonal"}})
+  with pytest.warns(UserWarning, match=r"layer_overrides patterns \['RNN_0/\*', "
+                    r"'decoder/\*'\] match no module path of this model, so they "
+                    r"change nothing. Module paths: \['', 'chosen', 'conv', "):
+    tx.init(jax.tree.map(jnp.zeros_like, PARAMS))
