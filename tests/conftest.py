@@ -1,10 +1,14 @@
-"""Test session set-up: 8 simulated CPU devices for the sharding tests.
+"""Test session set-up: 8 simulated CPU devices for the sharding tests, and
+a layer registry restored after every test.
 
-Must run before JAX initialises its backend; unsharded computations still
-run on device 0 alone.
+The devices must be set before JAX initialises its backend; unsharded
+computations still run on device 0 alone.
 """
 
+import contextlib
+
 import jax
+import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -14,3 +18,22 @@ jax.config.update("jax_num_cpu_devices", 8)
 from examples.transformer_lm import single_threaded_lapack  # noqa: E402
 
 single_threaded_lapack().__enter__()  # kept for the whole session
+
+
+@contextlib.contextmanager
+def restored_layer_registry():
+  """Undoes the `register_layer` calls made inside: they are global, and the
+  examples' ``main`` makes them too."""
+  from kfac_optax import layers  # pylint: disable=import-outside-toplevel
+  saved = dict(layers._REGISTRY)  # pylint: disable=protected-access
+  try:
+    yield
+  finally:
+    layers._REGISTRY.clear()  # pylint: disable=protected-access
+    layers._REGISTRY.update(saved)  # pylint: disable=protected-access
+
+
+@pytest.fixture(autouse=True)
+def _fresh_layer_registry():
+  with restored_layer_registry():
+    yield

@@ -22,6 +22,7 @@ import kfac_optax
 from examples.gpt2_hf_style import FlaxConv1D as Conv1D  # Hugging Face's layout
 from kfac_optax import layers
 from tests import brute_force as bf
+from tests.conftest import restored_layer_registry
 from tests.test_layers import DAMPING, LOSS, assert_block, dense_reference, f64
 from tests.test_layers import random_tree, summed_nll
 
@@ -66,17 +67,6 @@ def conv1d_layout(module, x, y):
   return kfac_optax.layouts.dense(x.shape[-1], y.shape[-1], kernel_order="out_in")
 
 
-@pytest.fixture
-def registry():
-  """Restores the layer registry after the test."""
-  saved = dict(layers._REGISTRY)  # pylint: disable=protected-access
-  try:
-    yield
-  finally:
-    layers._REGISTRY.clear()  # pylint: disable=protected-access
-    layers._REGISTRY.update(saved)  # pylint: disable=protected-access
-
-
 def problem():
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, VOCAB, (N, T)), jnp.int32)
@@ -108,15 +98,11 @@ def forward(params, tokens, perturbations):
 @pytest.fixture(scope="module")
 def registered_run():
   """One K-FAC update of the registered model, and its brute-force inputs."""
-  saved = dict(layers._REGISTRY)  # pylint: disable=protected-access
-  kfac_optax.register_layer(Conv1D, "dense", kernel_layout="out_in")
-  try:
+  with restored_layer_registry():
+    kfac_optax.register_layer(Conv1D, "dense", kernel_layout="out_in")
     params, batch = problem()
     grads = random_tree(params, seed=2)
     out, state = kfac_update(params, batch, grads, tied_embeddings=TIED)
-  finally:
-    layers._REGISTRY.clear()  # pylint: disable=protected-access
-    layers._REGISTRY.update(saved)  # pylint: disable=protected-access
   return params, batch, grads, out, state
 
 
@@ -171,8 +157,7 @@ def test_non_square_out_in_kernels_go_through_apply_updates(registered_run):
   assert all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree.leaves(new))
 
 
-def test_layout_function_registration_matches_the_named_layout(registered_run, registry):
-  del registry
+def test_layout_function_registration_matches_the_named_layout(registered_run):
   params, batch, grads, expected, _ = registered_run
   kfac_optax.register_layer(Conv1D, conv1d_layout)
   out, state = kfac_update(params, batch, grads, tied_embeddings=TIED)
@@ -180,8 +165,7 @@ def test_layout_function_registration_matches_the_named_layout(registered_run, r
   assert bf.relative_error(out, jax.tree.map(f64, expected)) < 1e-6
 
 
-def test_misdeclared_layout_is_an_init_error(registry):
-  del registry
+def test_misdeclared_layout_is_an_init_error():
   params, batch = problem()
   kfac_optax.register_layer(Conv1D, "dense")  # the kernel is really (out, in)
   tx = kfac_optax.scale_by_kfac(LMHead().apply, LOSS, example_batch=batch,
@@ -198,8 +182,7 @@ def test_misdeclared_layout_is_an_init_error(registry):
       "layer_overrides={'transformer/h/c_fc': 'diagonal'}.")
 
 
-def test_misnamed_kernel_is_an_init_error(registry):
-  del registry
+def test_misnamed_kernel_is_an_init_error():
   params, batch = problem()
   kfac_optax.register_layer(Conv1D, "dense", kernel="weight", kernel_layout="out_in")
   tx = kfac_optax.scale_by_kfac(LMHead().apply, LOSS, example_batch=batch,
@@ -228,8 +211,7 @@ class LinearNet(nn.Module):
     return Linear(3, name="out")(jnp.tanh(Linear(5, name="hidden")(x)))
 
 
-def test_param_names_map_onto_the_same_block_as_flax_names(registry):
-  del registry
+def test_param_names_map_onto_the_same_block_as_flax_names():
   rng = np.random.default_rng(3)
   x = jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)
   batch = (x, jnp.asarray(rng.integers(0, 3, 6), jnp.int32))
@@ -259,8 +241,7 @@ def test_param_names_map_onto_the_same_block_as_flax_names(registry):
         jax.tree.map(f64, expected[flax_name])) < 1e-5
 
 
-def test_tied_head_without_declaration_warns_once_and_still_trains(registry):
-  del registry
+def test_tied_head_without_declaration_warns_once_and_still_trains():
   params, batch = problem()
   kfac_optax.register_layer(Conv1D, "dense", kernel_layout="out_in")
   tx = kfac_optax.scale_by_kfac(LMHead().apply, LOSS, example_batch=batch)
@@ -291,8 +272,7 @@ def test_tied_head_without_declaration_warns_once_and_still_trains(registry):
      "tied_embeddings: 'transformer/h/c_fc' is not a captured layer call without "
      "params of its own; "),
 ])
-def test_wrong_tied_embeddings_are_init_errors(registry, tied, message):
-  del registry
+def test_wrong_tied_embeddings_are_init_errors(tied, message):
   params, batch = problem()
   kfac_optax.register_layer(Conv1D, "dense", kernel_layout="out_in")
   tx = kfac_optax.scale_by_kfac(LMHead().apply, LOSS, example_batch=batch,
@@ -321,8 +301,7 @@ def test_wrong_tied_embeddings_are_init_errors(registry, tied, message):
      "register_layer: kernel=, bias= and kernel_layout= go with a kind name; a "
      "layout function sets them on the layout it returns"),
 ])
-def test_register_layer_rejects_bad_arguments(registry, args, kwargs, error, message):
-  del registry
+def test_register_layer_rejects_bad_arguments(args, kwargs, error, message):
   with pytest.raises(error) as raised:
     kfac_optax.register_layer(*args, **kwargs)
   assert str(raised.value).startswith(message)
