@@ -44,11 +44,13 @@ _OUTPUT_NAME = re.compile(r"kfac_(?:(\w+)_)?out_(\d+)$")
 Path = tuple[str, ...]
 
 
-def _input_name(method: str) -> str:
+def input_name(method: str) -> str:
+  """The ``kfac_inputs`` entry of a method's calls (a tuple, one per call)."""
   return "kfac_in" if method == CALL else f"kfac_in_{method}"
 
 
-def _output_name(method: str, call: int) -> str:
+def output_name(method: str, call: int) -> str:
+  """The ``kfac_perturbations`` variable of one call of a method."""
   return f"kfac_out_{call}" if method == CALL else f"kfac_{method}_out_{call}"
 
 
@@ -94,7 +96,7 @@ class _Interceptor:
     if self.busy or kind is None or method not in (CALL, *kind.extra_methods):
       return next_fun(*args, **kwargs)
     owner = self._owner(module)
-    previous_calls = owner.get_variable(INPUTS, _input_name(method), ())
+    previous_calls = owner.get_variable(INPUTS, input_name(method), ())
     output = next_fun(*args, **kwargs)
     if method == CALL:
       self.busy = True
@@ -104,31 +106,36 @@ class _Interceptor:
         self.busy = False
     else:  # other methods record their first argument
       captured = args[0] if args else next(iter(kwargs.values()))
-    owner.sow(INPUTS, _input_name(method), captured)
+    owner.sow(INPUTS, input_name(method), captured)
     if self.layouts is not None and method == CALL:
       self._record(tuple(owner.path), kind.layout(module, captured, output))
       self.output_shapes[tuple(owner.path)] = jnp.shape(output)
       self.param_shapes[tuple(owner.path)] = {
           name: jnp.shape(value)
           for name, value in module.variables.get("params", {}).items()}
-    return owner.perturb(_output_name(method, len(previous_calls)), output,
+    return owner.perturb(output_name(method, len(previous_calls)), output,
                          collection=PERTURBATIONS)
 
   def _record(self, path: Path, layout: Any) -> None:
-    if self.layouts.setdefault(path, layout) != layout:
-      layouts = f"({self.layouts[path]} and {layout})"
-      if not path:  # fresh .apply roots all share the path ''
-        raise ValueError(
-            "layer calls at the top-level path '' need different curvature "
-            f"layouts {layouts}: more than one module runs with its own "
-            ".apply (e.g. apply_fn applies two models, or applies a model "
-            "twice), and K-FAC keeps one block per module path.\nFix: make "
-            "apply_fn one model.apply, with every layer a submodule of that "
-            "model.")
+    if not path and self.layouts.get(path, layout) != layout:
+      # fresh .apply roots all share the path ''
       raise ValueError(
-          f"the layer at {'/'.join(path)!r} is called with inputs that need "
-          f"different curvature layouts {layouts}; K-FAC keeps one block per "
-          "module")
+          "layer calls at the top-level path '' need different curvature "
+          f"layouts ({self.layouts[path]} and {layout}): more than one module "
+          "runs with its own .apply (e.g. apply_fn applies two models, or "
+          "applies a model twice), and K-FAC keeps one block per module path."
+          "\nFix: make apply_fn one model.apply, with every layer a submodule "
+          "of that model.")
+    record_layout(self.layouts, path, layout)
+
+
+def record_layout(found: dict[Path, Any], path: Path, layout: Any) -> None:
+  """Keeps a layer call's layout; every call of one module must share it."""
+  if found.setdefault(path, layout) != layout:
+    raise ValueError(
+        f"the layer at {'/'.join(path)!r} is called with inputs that need "
+        f"different curvature layouts ({found[path]} and {layout}); K-FAC "
+        "keeps one block per module")
 
 
 class Discovered(NamedTuple):
@@ -168,7 +175,13 @@ def hooked_apply(
     mutable: bool | Sequence[str],
     interceptor: Callable[..., Any] | None = None,
 ) -> Callable[[Any], tuple[Any, Any]]:
-  """``variables -> (outputs, collections)``: the model run under the hooks."""
+  """``variables -> (outputs, collections)``: the model run under the hooks.
+
+  An ``apply_fn`` with its own capture (an NNX model's, see `nnx_capture`)
+  runs its own hooks; a linen apply function runs under the interceptor.
+  """
+  if hasattr(apply_fn, "hooked"):
+    return apply_fn.hooked(args, apply_kwargs)
   interceptor = interceptor or _Interceptor()
   mutable = mutable if isinstance(mutable, bool) else list(mutable)
 
@@ -188,13 +201,16 @@ def discover(
   """Finds the captured layers by tracing the model abstractly (no FLOPs).
 
   Args:
-    apply_fn: flax apply function.
+    apply_fn: flax apply function (or one with its own capture, see
+      `hooked_apply`).
     variables: the variables to run with (params and other collections).
     args: positional inputs.
     apply_kwargs: keyword arguments of ``apply_fn``.
     mutable: collections the model may write besides K-FAC's own; True makes
       every collection mutable, so missing ones (e.g. batch_stats) get created.
   """
+  if hasattr(apply_fn, "discover"):  # its own capture (see hooked_apply)
+    return apply_fn.discover(variables, args, apply_kwargs)
   found, shapes, param_shapes = {}, {}, {}
   if not isinstance(mutable, bool):
     mutable = [*mutable, INPUTS, PERTURBATIONS]
@@ -203,7 +219,7 @@ def discover(
   outputs, collections = jax.eval_shape(
       lambda v, a: hooked_apply(apply_fn, a, apply_kwargs, mutable, interceptor)(v),
       variables, tuple(args))
-  inputs = _by_method(collections.get(INPUTS, {}))
+  inputs = by_method(collections.get(INPUTS, {}))
   other_methods = {}
   for method, by_path in inputs.items():
     for path in by_path if method != CALL else ():
@@ -218,7 +234,7 @@ def discover(
       outputs=outputs)
 
 
-def _by_method(collection: Any) -> dict[str, dict[Path, tuple[Any, ...]]]:
+def by_method(collection: Any) -> dict[str, dict[Path, tuple[Any, ...]]]:
   """A ``kfac_inputs`` or ``kfac_perturbations`` tree -> {method: {path: calls}}."""
   grouped: dict[str, dict[Path, dict[int, Any]]] = {}
   for key, value in traverse_util.flatten_dict(collection).items():
@@ -237,7 +253,7 @@ def _by_method(collection: Any) -> dict[str, dict[Path, tuple[Any, ...]]]:
 
 def by_layer(collection: Any, method: str = CALL) -> dict[Path, tuple[Any, ...]]:
   """A ``kfac_inputs`` or ``kfac_perturbations`` tree -> {path: per-call tuple}."""
-  return _by_method(collection).get(method, {})
+  return by_method(collection).get(method, {})
 
 
 class Captured(NamedTuple):
@@ -286,7 +302,7 @@ def capture(
                                                     vjp_fn(cotangents[0]))
   else:
     primal_grads, perturbation_grads = jax.vmap(vjp_fn)(cotangents)
-  inputs, grads = _by_method(inputs), _by_method(perturbation_grads)
+  inputs, grads = by_method(inputs), by_method(perturbation_grads)
   return Captured(outputs, inputs.get(CALL, {}), grads.get(CALL, {}), primal_grads,
                   {m: (inputs[m], grads[m]) for m in inputs if m != CALL})
 

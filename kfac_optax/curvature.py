@@ -33,6 +33,7 @@ from kfac_optax import checks
 from kfac_optax import layouts
 from kfac_optax import linalg
 from kfac_optax import losses
+from kfac_optax import nnx_capture
 from kfac_optax import sharding
 from kfac_optax import summary
 
@@ -391,6 +392,8 @@ class Curvature:
   max_factor_dim: int | str | None = "auto"
 
   def __post_init__(self):
+    # An nnx.Module runs through its own front-end (see `nnx_capture`).
+    object.__setattr__(self, "apply_fn", nnx_capture.front_end(self.apply_fn))
     if self.estimation not in losses.ESTIMATIONS:
       raise ValueError(f"estimation must be one of {losses.ESTIMATIONS}, "
                        f"got {self.estimation!r}")
@@ -464,6 +467,7 @@ class Curvature:
     """The model output on ``batch``, selected by ``outputs=`` (other
     collections' changes discarded)."""
     variables = dict(variables or {})
+    params = nnx_capture.pure(params)
     out = self.apply_fn({"params": params, **variables}, *self._model_args(batch),
                         mutable=list(variables) or False, **self._call_kwargs(rng))
     return self._model_output(out[0] if variables else out)
@@ -594,6 +598,7 @@ class Curvature:
 
   def describe(self, params: Any) -> summary.Summary:
     """The block of every module of the model (see `kfac_optax.describe`)."""
+    params = nnx_capture.pure(params)
     return self._summary(self._example_plan(params), params)
 
   def _summary(self, plan: _Plan, params: Any) -> summary.Summary:
@@ -610,6 +615,7 @@ class Curvature:
     fall to the diagonal fallback.
     """
     factors, inverses = {}, {}
+    params = nnx_capture.pure(params)
     dtype = linalg.curvature_dtype(params)
     plan = self._example_plan(params)
     if plan.unowned:
@@ -709,6 +715,7 @@ class Curvature:
         is not a positive finite number is rejected (counted in the state).
     """
     variables = dict(variables or {})
+    params = nnx_capture.pure(params)
     plan = self._plan(params, batch, variables, list(variables), "batch")
     damping = jnp.asarray(damping, state.damping.dtype)
 
@@ -763,6 +770,7 @@ class Curvature:
     which rescaling or dropping one block would not; the headroom leaves
     room for a learning rate, momentum and the parameters it is added to.
     """
+    given, vector = vector, nnx_capture.pure(vector)
     product = self._apply(self._example_plan(vector), state.inverses, vector)
     scale = 1.0
     for u, v in zip(jax.tree.leaves(product), jax.tree.leaves(vector)):
@@ -770,7 +778,7 @@ class Curvature:
         limit = float(jnp.finfo(v.dtype).max) / 16
         scale = jnp.minimum(scale, limit / jnp.maximum(jnp.max(jnp.abs(u)), limit))
     fitted = jax.tree.map(lambda u, v: (u * scale).astype(v.dtype), product, vector)
-    return fitted, state._replace(
+    return nnx_capture.like(given, fitted), state._replace(
         rescaled_updates=state.rescaled_updates + jnp.where(scale < 1, 1, 0))
 
   def multiply(self, state: ScaleByKFACState, vector: Any, *, power: float,
@@ -788,11 +796,12 @@ class Curvature:
       power: the exponent p.
       damping: λ, zero by default.
     """
+    given, vector = vector, nnx_capture.pure(vector)
     plan = self._example_plan(vector)
     powered = self._powers(plan, state.factors,
                            jnp.asarray(damping, state.damping.dtype), power, "eigh")
-    return jax.tree.map(lambda u, v: u.astype(v.dtype),
-                        self._apply(plan, powered, vector), vector)
+    return nnx_capture.like(given, jax.tree.map(
+        lambda u, v: u.astype(v.dtype), self._apply(plan, powered, vector), vector))
 
   def output_tangents(self, params: Any, batch: Any, vectors: Any,
                       variables: dict | None = None, rng: jax.Array | None = None):

@@ -4,13 +4,17 @@ A layer kind reads a module's configuration while the model is traced and
 returns its layout (see `layouts`); it also says what to capture as the
 layer's input (the input itself, or for normalisation layers the normalised
 ``x̂``). Kinds are looked up along the module's MRO, so subclasses of a
-registered class are captured too.
+registered class are captured too. Linen and NNX layers live in one registry;
+their kinds differ only where the two APIs name a configuration differently
+(NNX's ``out_features`` for linen's ``features``).
 """
 
 import dataclasses
 from typing import Any, Callable
 
 import flax.linen as nn
+import jax.numpy as jnp
+from flax import nnx
 from flax.linen import linear
 
 from kfac_optax import layouts
@@ -47,16 +51,27 @@ def _dense(module, x, y):
   return layouts.dense(x.shape[-1], y.shape[-1])
 
 
-def _dense_general(module, x, y):
-  del y
-  # flax sorts both: the kernel is (*batch, *in_features, *features) in axis order.
-  axes = tuple(a - x.ndim for a in sorted(a % x.ndim for a in _as_tuple(module.axis)))
-  batch_axes = tuple(sorted(a % x.ndim for a in _as_tuple(module.batch_dims)))
+def _dense_general_layout(x, axis, batch_dims, features):
+  # flax (linen and NNX) sorts both: the kernel is (*batch, *in_features,
+  # *features) in axis order.
+  axes = tuple(a - x.ndim for a in sorted(a % x.ndim for a in _as_tuple(axis)))
+  batch_axes = tuple(sorted(a % x.ndim for a in _as_tuple(batch_dims)))
   return layouts.DenseLayout(
       input_axes=axes, batch_axes=batch_axes,
       in_features=tuple(x.shape[a] for a in axes),
-      out_features=tuple(_as_tuple(module.features)),
+      out_features=tuple(_as_tuple(features)),
       batch_shape=tuple(x.shape[a] for a in batch_axes))
+
+
+def _dense_general(module, x, y):
+  del y
+  return _dense_general_layout(x, module.axis, module.batch_dims, module.features)
+
+
+def _nnx_linear_general(module, x, y):
+  del y
+  return _dense_general_layout(x, module.axis, tuple(module.batch_axis),
+                               module.out_features)
 
 
 _PRE_PADDING = {"CIRCULAR": "wrap", "REFLECT": "reflect", "CAUSAL": "causal"}
@@ -64,6 +79,16 @@ _PRE_PADDING = {"CIRCULAR": "wrap", "REFLECT": "reflect", "CAUSAL": "causal"}
 
 def _conv(module, x, y):
   del y
+  return _conv_layout(module, x, module.features)
+
+
+def _nnx_conv(module, x, y):
+  del y
+  return _conv_layout(module, x, module.out_features)
+
+
+def _conv_layout(module, x, features):
+  """linen's and NNX's Conv share every other configuration name."""
   kernel_size = _as_tuple(module.kernel_size)
   rank = len(kernel_size)
 
@@ -82,7 +107,7 @@ def _conv(module, x, y):
       input_dilation=per_axis(module.input_dilation),
       kernel_dilation=per_axis(module.kernel_dilation),
       padding=padding, pre_padding=pre_padding, in_channels=x.shape[-1],
-      out_channels=module.features, groups=module.feature_group_count)
+      out_channels=features, groups=module.feature_group_count)
 
 
 def _embed(module, x, y):
@@ -111,12 +136,42 @@ def _normalized_input(module, args, kwargs, output):
   return normalized
 
 
+def _nnx_normalized_input(module, args, kwargs, output):
+  """x̂: the NNX layer run again with scale 1 and bias 0, on the same input.
+
+  The layer is K-FAC's own copy of the user's module (see `nnx_capture`), so
+  setting its params for one call is safe; they are restored on every exit.
+  A train-mode BatchNorm's second update of its running averages goes with
+  the copy.
+  """
+  del output
+  affine = {name: fill for name, fill in (("scale", jnp.ones_like),
+                                          ("bias", jnp.zeros_like))
+            if isinstance(getattr(module, name, None), nnx.Variable)}
+  saved = {name: getattr(module, name).get_value() for name in affine}
+  try:
+    for name, fill in affine.items():
+      getattr(module, name).set_value(fill(saved[name]))
+    return module(*args, **kwargs)
+  finally:
+    for name, value in saved.items():
+      getattr(module, name).set_value(value)
+
+
 KINDS: dict[str, Kind] = {
     "dense": Kind(_dense),
     "dense_general": Kind(_dense_general),
     "conv": Kind(_conv),
     "embed": Kind(_embed, extra_methods=("attend",)),
     "norm": Kind(_norm, _normalized_input),
+}
+
+NNX_KINDS: dict[str, Kind] = {
+    "dense": KINDS["dense"],
+    "dense_general": Kind(_nnx_linear_general),
+    "conv": Kind(_nnx_conv),
+    "embed": KINDS["embed"],
+    "norm": Kind(_norm, _nnx_normalized_input),
 }
 
 _REGISTRY: dict[type, Kind] = {
@@ -128,6 +183,14 @@ _REGISTRY: dict[type, Kind] = {
     nn.RMSNorm: KINDS["norm"],
     nn.GroupNorm: KINDS["norm"],
     nn.BatchNorm: KINDS["norm"],
+    nnx.Linear: NNX_KINDS["dense"],
+    nnx.LinearGeneral: NNX_KINDS["dense_general"],
+    nnx.Conv: NNX_KINDS["conv"],
+    nnx.Embed: NNX_KINDS["embed"],
+    nnx.LayerNorm: NNX_KINDS["norm"],
+    nnx.RMSNorm: NNX_KINDS["norm"],
+    nnx.GroupNorm: NNX_KINDS["norm"],
+    nnx.BatchNorm: NNX_KINDS["norm"],
 }
 
 
@@ -150,6 +213,9 @@ def register_layer(
   ``nn.DenseGeneral`` and ``nn.Conv`` (``features``, ``axis``,
   ``kernel_size``, ``strides``, ``padding``, ...) from the module, so they fit
   subclasses and look-alikes of those; ``"embed"`` and ``"norm"`` likewise.
+  For an ``nnx.Module`` class they read NNX's names (``nnx.LinearGeneral``'s
+  ``out_features``, ``axis``, ``batch_axis``; ``nnx.Conv``'s
+  ``out_features``, ...).
   ``kernel`` and ``bias`` name the layer's param leaves, and
   ``kernel_layout`` how its kernel is stored, so any Dense-like layer fits
   without code: e.g. Hugging Face's ``FlaxConv1D`` (``y = x @ kernel.T +
@@ -161,8 +227,9 @@ def register_layer(
   there goes unnoticed.)
 
   Args:
-    module_class: a flax ``nn.Module`` subclass whose ``__call__`` takes the
-      layer input as its first argument; its subclasses are captured too.
+    module_class: a flax ``nn.Module`` or ``nnx.Module`` subclass whose
+      ``__call__`` takes the layer input as its first argument; its
+      subclasses are captured too.
     kind: ``"dense"``, ``"dense_general"``, ``"conv"``, ``"embed"``,
       ``"norm"``, or a layout function ``(module, layer_input, layer_output)
       -> layout`` returning a `kfac_optax.layouts.DenseLayout` (e.g.
@@ -192,9 +259,12 @@ def register_layer(
     >>> kfac_optax.register_layer(Conv1D, "dense", kernel="weight", bias="b",
     ...                           kernel_layout="out_in")
   """
-  if not (isinstance(module_class, type) and issubclass(module_class, nn.Module)):
+  if not (isinstance(module_class, type)
+          and issubclass(module_class, (nn.Module, nnx.Module))):
     raise TypeError(f"register_layer's module_class must be a flax nn.Module "
-                    f"subclass (the class, not an instance), got {module_class!r}")
+                    f"or nnx.Module subclass (the class, not an instance), got "
+                    f"{module_class!r}")
+  kinds = NNX_KINDS if issubclass(module_class, nnx.Module) else KINDS
   custom = (kernel, bias, kernel_layout) != ("kernel", "bias", "in_out")
   if callable(kind):
     if custom:
@@ -204,9 +274,9 @@ def register_layer(
           "layouts.dense(d_in, d_out, kernel_name=..., kernel_order='out_in')")
     _REGISTRY[module_class] = Kind(kind)
     return
-  if kind not in KINDS:
+  if kind not in kinds:
     raise ValueError(f"register_layer: unknown kind {kind!r}; built-in kinds: "
-                     f"{sorted(KINDS)}, or pass a layout function")
+                     f"{sorted(kinds)}, or pass a layout function")
   orders = layouts.KERNEL_ORDERS if kind != "conv" else ("in_out",)
   if kernel_layout not in orders:
     raise ValueError(f"register_layer: kernel_layout={kernel_layout!r} is not one "
@@ -214,7 +284,7 @@ def register_layer(
   if custom and kind not in _NAMED_KINDS:
     raise ValueError(f"register_layer: kernel=, bias= and kernel_layout= apply to "
                      f"the kinds {_NAMED_KINDS}, not {kind!r}")
-  found = KINDS[kind]
+  found = kinds[kind]
   if custom:
     names = {"kernel_name": kernel, "bias_name": bias}
     if kind != "conv":
@@ -225,7 +295,7 @@ def register_layer(
   _REGISTRY[module_class] = found
 
 
-def kind_of(module: nn.Module) -> Kind | None:
+def kind_of(module: "nn.Module | nnx.Module") -> Kind | None:
   """The layer kind of a flax module instance, or None if it is not captured."""
   for cls in type(module).__mro__:
     if cls in _REGISTRY:

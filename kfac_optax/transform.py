@@ -21,6 +21,7 @@ import optax
 from kfac_optax import adaptive
 from kfac_optax import checks
 from kfac_optax import losses
+from kfac_optax import nnx_capture
 from kfac_optax import summary
 from kfac_optax.curvature import Curvature
 from kfac_optax.curvature import ScaleByKFACState
@@ -261,15 +262,17 @@ def scale_by_kfac(
   def update_fn(updates, state, params=None, *, batch=None, rng=None,
                 variables=None, **extra_args):
     del extra_args  # optax.chain forwards every member's keywords
-    _check_update_args(curvature, updates, batch, params, rng, "scale_by_kfac")
+    grads, params = nnx_capture.pure(updates), nnx_capture.pure(params)
+    _check_update_args(curvature, grads, batch, params, rng, "scale_by_kfac")
 
-    def precondition(updates, state, params, batch, variables, rng):
+    def precondition(grads, state, params, batch, variables, rng):
       state = curvature.update(state, params, batch=batch, rng=rng,
                                variables=variables,
                                damping=_value_at(damping, state.count))
-      return curvature.precondition_and_count(state, updates)
-    return _with_auto_axes(precondition, updates, state, params, batch,
-                           dict(variables or {}), rng)
+      return curvature.precondition_and_count(state, grads)
+    direction, state = _with_auto_axes(precondition, grads, state, params, batch,
+                                       dict(variables or {}), rng)
+    return nnx_capture.like(updates, direction), state
 
   return optax.GradientTransformationExtraArgs(curvature.init, update_fn)
 
@@ -455,16 +458,19 @@ def kfac(
     # Distinct buffers: a state passed with donate_argnums must not alias.
     nans = [jnp.full([], _NAN, jnp.float32) for _ in range(5)]
     return KFACState(
-        curvature.init(params), jax.tree.map(jnp.zeros_like, params),
+        curvature.init(params),
+        jax.tree.map(jnp.zeros_like, nnx_capture.pure(params)),
         jnp.zeros([], jnp.int32),
         jnp.asarray(_value_at(damping, 0), jnp.float32) + 0.0, *nans)
 
   def update_fn(grads, state, params=None, *, batch=None, rng=None,
                 variables=None, **extra_args):
     del extra_args
+    given, grads, params = grads, nnx_capture.pure(grads), nnx_capture.pure(params)
     _check_update_args(curvature, grads, batch, params, rng, "kfac")
-    return _with_auto_axes(step, grads, state, params, batch,
-                           dict(variables or {}), rng)
+    delta, state = _with_auto_axes(step, grads, state, params, batch,
+                                   dict(variables or {}), rng)
+    return nnx_capture.like(given, delta), state
 
   def step(grads, state, params, batch, variables, rng):
     count = state.count

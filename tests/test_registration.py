@@ -284,8 +284,8 @@ def test_wrong_tied_embeddings_are_init_errors(tied, message):
 
 @pytest.mark.parametrize("args, kwargs, error, message", [
     ((Conv1D(3), "dense"), {}, TypeError,
-     "register_layer's module_class must be a flax nn.Module subclass (the "
-     "class, not an instance), got FlaxConv1D("),
+     "register_layer's module_class must be a flax nn.Module or nnx.Module "
+     "subclass (the class, not an instance), got FlaxConv1D("),
     ((Conv1D, "linear"), {}, ValueError,
      "register_layer: unknown kind 'linear'; built-in kinds: ['conv', 'dense', "
      "'dense_general', 'embed', 'norm'], or pass a layout function"),

@@ -1,0 +1,284 @@
+"""The NNX front-end: an ``nnx.Module`` run as the apply function K-FAC calls.
+
+`NNXModel` wraps a Flax NNX model in the contract of a linen apply function
+(see `capture`): ``apply_fn({"params": params, **other_state,
+"kfac_perturbations": ...}, *inputs, mutable=..., rngs={"dropout": key},
+**apply_kwargs)``, and produces K-FAC's ``kfac_inputs`` and
+``kfac_perturbations`` collections in the tree format of linen's capture, so
+that everything after capture (`curvature`, `blocks`, `summary`) is shared.
+
+Every call is pure: a fresh copy of the model is built with ``nnx.merge``
+from the graph definition taken when the transformation was made, the params
+it is given (pure arrays, the tree ``nnx.state(model, nnx.Param)`` that
+``nnx.Optimizer`` passes), the model's other state (BatchNorm statistics:
+those given as ``variables=``, else the values the model had when it was
+wrapped; K-FAC's changes to them go with the copy) and random streams
+re-seeded from ``rngs["dropout"]`` (never the model's own ``nnx.Rngs``
+counters). The user's model, its Variables and its classes are never touched.
+
+On that copy, each captured layer (`layers.kind_of`) gets its class swapped
+for a cached subclass whose ``__call__`` (and the kind's other methods, e.g.
+``nnx.Embed.attend``) records the layer input and adds the zero perturbation
+to the output, so that the gradient with respect to the perturbation is the
+gradient with respect to the layer output. The swap is undone on every exit.
+Layers are keyed by their NNX attribute path joined by "/"
+(``"blocks/0/attn/query"``); a module reachable at several paths (shared
+weights) is one layer at its first path, its calls several calls.
+"""
+
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
+
+from flax import nnx
+from flax import traverse_util
+import jax
+import jax.numpy as jnp
+
+from kfac_optax import capture
+from kfac_optax import layers
+
+Path = tuple[str, ...]
+_OWN_KEYS = ("params", capture.INPUTS, capture.PERTURBATIONS)
+
+
+class _Recorder:
+  """The layer calls of one run of a model copy.
+
+  Attributes:
+    paths: ``id(module) -> path`` for the copy's modules.
+    layer_paths: the paths of the copy's captured layers.
+    perturbations: method -> path -> per-call perturbations to add.
+    discovering: record layouts and shapes (and add no perturbations).
+    inputs: (path, method) -> captured inputs, one per call.
+    layouts, output_shapes, param_shapes: what discovery records (see
+      `capture.Discovered`).
+    outputs: (path, method) -> output shapes, one per call (discovery).
+    foreign: class names of captured layers that ran on a copy K-FAC did not
+      make (an NNX transform's, e.g. ``nnx.scan`` over a layer stack).
+  """
+
+  def __init__(self, paths: dict[int, Path], layer_paths: set[Path],
+               perturbations: Any, discovering: bool):
+    self.paths = paths
+    self.layer_paths = layer_paths
+    self.perturbations = capture.by_method(perturbations)
+    self.discovering = discovering
+    self.inputs: dict[tuple[Path, str], list[Any]] = {}
+    self.layouts: dict[Path, Any] = {}
+    self.output_shapes: dict[Path, tuple[int, ...]] = {}
+    self.param_shapes: dict[Path, dict[str, tuple[int, ...]]] = {}
+    self.outputs: dict[tuple[Path, str], list[jax.ShapeDtypeStruct]] = {}
+    self.foreign: list[str] = []
+    self.busy = False  # a kind's own helper calls are not layer calls
+
+  def call(self, module: nnx.Module, method: str, original: Callable[..., Any],
+           args: tuple, kwargs: dict) -> Any:
+    """One call of a hooked layer's ``method``: recorded and perturbed."""
+    path = self.paths.get(id(module))
+    kind = layers.kind_of(module)
+    if self.busy or kind is None or method not in (capture.CALL, *kind.extra_methods):
+      return original(module, *args, **kwargs)
+    if path is None:
+      self.foreign.append(type(module).__name__)
+      return original(module, *args, **kwargs)
+    calls = self.inputs.setdefault((path, method), [])
+    output = original(module, *args, **kwargs)
+    if method == capture.CALL:
+      self.busy = True
+      try:
+        captured = kind.captured_input(module, args, kwargs, output)
+      finally:
+        self.busy = False
+    else:  # other methods record their first argument
+      captured = args[0] if args else next(iter(kwargs.values()))
+    calls.append(captured)
+    if not self.discovering:
+      return output + self.perturbations[method][path][len(calls) - 1]
+    if method == capture.CALL:
+      capture.record_layout(self.layouts, path, kind.layout(module, captured, output))
+      self.output_shapes[path] = jnp.shape(output)
+      self.param_shapes[path] = {name: jnp.shape(value) for name, value in
+                                 vars(module).items() if isinstance(value, nnx.Param)}
+    self.outputs.setdefault((path, method), []).append(
+        jax.ShapeDtypeStruct(jnp.shape(output), jnp.result_type(output)))
+    return output
+
+  def inputs_collection(self) -> dict:
+    """The captured inputs as linen's ``kfac_inputs`` collection."""
+    return traverse_util.unflatten_dict({
+        (*path, capture.input_name(method)): tuple(calls)
+        for (path, method), calls in self.inputs.items()})
+
+  def perturbations_collection(self) -> dict:
+    """Abstract zero perturbations as linen's ``kfac_perturbations``."""
+    return traverse_util.unflatten_dict({
+        (*path, capture.output_name(method, i)): shape
+        for (path, method), shapes in self.outputs.items()
+        for i, shape in enumerate(shapes)})
+
+
+_ACTIVE: list[_Recorder] = []  # the recorder of the run in progress
+_HOOKED: dict[type, type] = {}  # layer class -> its hooked subclass
+
+
+def _hook(method: str, original: Callable[..., Any]) -> Callable[..., Any]:
+  def hooked(self, *args, **kwargs):
+    if not _ACTIVE:
+      return original(self, *args, **kwargs)
+    return _ACTIVE[-1].call(self, method, original, args, kwargs)
+  hooked.__name__ = method
+  return hooked
+
+
+def _hooked_class(cls: type, kind: layers.Kind) -> type:
+  """A subclass of ``cls`` whose captured methods report to the recorder.
+
+  Made once per class; only K-FAC's own copies ever have it, and only while
+  K-FAC runs them.
+  """
+  if cls not in _HOOKED:
+    methods = (capture.CALL, *kind.extra_methods)
+    namespace = {m: _hook(m, getattr(cls, m)) for m in methods}
+    namespace.update(__qualname__=cls.__qualname__, __module__=cls.__module__)
+    _HOOKED[cls] = type(cls)(cls.__name__, (cls,), namespace)
+  return _HOOKED[cls]
+
+
+@contextlib.contextmanager
+def _hooked(model: nnx.Module, perturbations: Any, discovering: bool
+            ) -> Iterator[_Recorder]:
+  """The copy's captured layers hooked while the block runs, then restored."""
+  paths, swapped = {}, []
+  for path, module in nnx.iter_modules(model):  # each module once, first path
+    paths[id(module)] = tuple(str(k) for k in path)
+    kind = layers.kind_of(module)
+    if kind is not None:
+      swapped.append((module, type(module), kind))
+  recorder = _Recorder(paths, {paths[id(m)] for m, _, _ in swapped},
+                       perturbations, discovering)
+  try:
+    for module, cls, kind in swapped:
+      object.__setattr__(module, "__class__", _hooked_class(cls, kind))
+    _ACTIVE.append(recorder)
+    yield recorder
+  finally:
+    if _ACTIVE and _ACTIVE[-1] is recorder:
+      _ACTIVE.pop()
+    for module, cls, _ in swapped:
+      object.__setattr__(module, "__class__", cls)
+
+
+class NNXModel:
+  """An ``nnx.Module`` as K-FAC's apply function; see the module docstring.
+
+  Args:
+    model: the user's model. Its graph definition, the structure of its
+      random streams and the values of its other state (neither params nor
+      random streams) are read once, here; the model is not kept.
+  """
+
+  def __init__(self, model: nnx.Module):
+    self.graphdef, _, rng_state, other = nnx.split(model, nnx.Param,
+                                                   nnx.RngState, ...)
+    self.rng_state = nnx.as_pure(rng_state)
+    self.other = nnx.as_pure(other)
+    self.name = type(model).__name__
+
+  def _copy(self, variables: dict, rng: jax.Array | None) -> nnx.Module:
+    """A fresh model from ``variables``: params, other state, random streams."""
+    given = {k: v for k, v in variables.items() if k not in _OWN_KEYS}
+    other = nnx.State.merge(self.other, nnx.State(given)) if given else self.other
+    return nnx.merge(self.graphdef, nnx.as_pure(variables["params"]),
+                     self._streams(rng), other)
+
+  def _streams(self, rng: jax.Array | None) -> Any:
+    """The model's random streams, every key drawn from ``rng``, counts 0."""
+    if rng is None:
+      return self.rng_state
+    if not jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key):
+      rng = jax.random.wrap_key_data(rng)
+    leaves, treedef = jax.tree.flatten(self.rng_state)
+    return treedef.unflatten([
+        jax.random.fold_in(rng, i)
+        if jnp.issubdtype(jnp.result_type(leaf), jax.dtypes.prng_key)
+        else jnp.zeros_like(leaf) for i, leaf in enumerate(leaves)])
+
+  def __call__(self, variables: dict, *args: Any, mutable: Any = False,
+               rngs: dict[str, jax.Array] | None = None, **kwargs: Any) -> Any:
+    """The model's output (with no collections when ``mutable``)."""
+    outputs = self._copy(variables, (rngs or {}).get("dropout"))(*args, **kwargs)
+    return (outputs, {}) if mutable else outputs
+
+  def hooked(self, args: Sequence[Any], apply_kwargs: dict[str, Any]
+             ) -> Callable[[Any], tuple[Any, Any]]:
+    """``variables -> (outputs, {"kfac_inputs": ...})`` under K-FAC's hooks."""
+    kwargs = dict(apply_kwargs)
+    rng = kwargs.pop("rngs", {}).get("dropout")
+
+    def run(variables):
+      model = self._copy(variables, rng)
+      with _hooked(model, variables.get(capture.PERTURBATIONS, {}), False) as rec:
+        outputs = model(*args, **kwargs)
+      return outputs, {capture.INPUTS: rec.inputs_collection()}
+    return run
+
+  def discover(self, variables: Any, args: Sequence[Any],
+               apply_kwargs: dict[str, Any]) -> capture.Discovered:
+    """`capture.discover` for this model: one abstract run under the hooks."""
+    kwargs = dict(apply_kwargs)
+    rng = kwargs.pop("rngs", {}).get("dropout")
+    found = []
+
+    def run(variables, args):
+      model = self._copy(variables, rng)
+      with _hooked(model, {}, True) as recorder:
+        found.append(recorder)
+        return model(*args, **kwargs)
+    outputs = jax.eval_shape(run, variables, tuple(args))
+    recorder = found[0]
+    if recorder.foreign:
+      raise self._foreign_error(recorder)
+    calls = {path: len(c) for (path, method), c in recorder.inputs.items()
+             if method == capture.CALL}
+    other_methods = {}
+    for path, method in recorder.inputs:
+      if method != capture.CALL:
+        other_methods[path] = (*other_methods.get(path, ()), method)
+    return capture.Discovered(
+        layouts=recorder.layouts, num_calls=calls, other_methods=other_methods,
+        output_shapes=recorder.output_shapes, param_shapes=recorder.param_shapes,
+        perturbations=recorder.perturbations_collection(),
+        outputs=outputs)
+
+  def _foreign_error(self, recorder: _Recorder) -> ValueError:
+    called = {path for path, _ in recorder.inputs}
+    uncalled = sorted("/".join(p) for p in recorder.layer_paths - called)
+    return ValueError(
+        f"{', '.join(sorted(set(recorder.foreign)))} layers of {self.name} run "
+        "inside an NNX transform (nnx.scan, nnx.vmap, ...) on copies of the "
+        "model that K-FAC does not make, so their inputs and output gradients "
+        "cannot be captured" + (f" (captured layers never called directly: "
+                                f"{uncalled})" if uncalled else "") +
+        ".\nFix: apply such layers one by one from Python (e.g. an nnx.List "
+        "of layers applied in a for loop), so that each is a module of the "
+        "model K-FAC runs.")
+
+
+def front_end(apply_fn: Any) -> Any:
+  """``apply_fn`` itself, or for an ``nnx.Module`` its `NNXModel`."""
+  return NNXModel(apply_fn) if isinstance(apply_fn, nnx.Module) else apply_fn
+
+
+def pure(tree: Any) -> Any:
+  """``tree`` with every ``nnx.Variable`` replaced by its value (identity on
+  trees without Variables): ``nnx.state(model, nnx.Param)`` and the pure
+  arrays ``nnx.Optimizer`` passes give one tree structure."""
+  return nnx.as_pure(tree)
+
+
+def like(reference: Any, tree: Any) -> Any:
+  """``tree`` (pure arrays) in ``reference``'s structure: each array put in
+  a copy of the ``nnx.Variable`` at its place in ``reference``, if any."""
+  return jax.tree.map(
+      lambda ref, value: ref.replace(value) if isinstance(ref, nnx.Variable) else value,
+      reference, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
