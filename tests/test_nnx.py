@@ -126,7 +126,7 @@ def lm_case():
   batch = {"ids": ids, "y": jnp.roll(ids, -1, 1),
            "mask": jnp.arange(LENGTH)[None] < jnp.array([[5], [3], [4]])}
   linen = LinenLM()
-  return (linen, NNXLM(nnx.Rngs(0)), linen.init(jax.random.key(2), ids), batch,
+  return (linen, NNXLM(nnx.Rngs(0)), jax.jit(linen.init)(jax.random.key(2), ids), batch,
           dict(inputs=lambda b: b["ids"],
                loss=kfac_optax.losses.softmax_cross_entropy(
                    targets=lambda b: b["y"], mask=lambda b: b["mask"])))
@@ -139,7 +139,8 @@ def cnn_case():
            "x3": jax.random.normal(keys[2], (4, 3, 3, 3, 2)),
            "y": jax.random.randint(keys[3], (4,), 0, 3)}
   linen = LinenCNN()
-  variables = linen.init(jax.random.key(5), batch["x2"], batch["x1"], batch["x3"])
+  variables = jax.jit(linen.init)(jax.random.key(5), batch["x2"], batch["x1"],
+                                  batch["x3"])
   return (linen, NNXCNN(nnx.Rngs(0)), variables, batch,
           dict(inputs=lambda b: (b["x2"], b["x1"], b["x3"]),
                loss=kfac_optax.losses.softmax_cross_entropy(targets=lambda b: b["y"])))
@@ -155,13 +156,15 @@ def twins(request):
   return request.param, linen, model, variables, batch, options
 
 
-def one_update(apply_fn, params, batch, options, estimation, variables=None):
-  """scale_by_kfac's first update of random grads: (factors, updates)."""
+def one_update(apply_fn, params, batch, options, estimation, variables=None,
+               grads=None):
+  """scale_by_kfac's first update of ``grads`` (default: random): (factors,
+  updates)."""
   options = dict(options)
   loss = options.pop("loss", kfac_optax.losses.softmax_cross_entropy())
   tx = kfac_optax.scale_by_kfac(apply_fn, loss, example_batch=batch,
                                 estimation=estimation, damping=DAMPING, **options)
-  grads = random_like(params, 7)
+  grads = random_like(params, 7) if grads is None else grads
 
   @jax.jit
   def run(params, grads, batch, rng):
@@ -210,3 +213,306 @@ def test_nnx_mlp_matches_brute_force(estimation):
   grads = nnx.to_pure_dict(random_like(nnx_params, 7))
   assert bf.relative_error(nnx.to_pure_dict(updates),
                            bf.precondition(expected, grads, DAMPING)) < 1e-4
+
+
+# -- training with nnx.Optimizer and raw optax --------------------------------
+
+class NNXNet(nnx.Module):
+  """Conv, BatchNorm (train mode), Dropout, Linear."""
+
+  def __init__(self, rngs):
+    self.conv = nnx.Conv(1, 4, (3, 3), rngs=rngs)
+    self.bn = nnx.BatchNorm(4, rngs=rngs)
+    self.drop = nnx.Dropout(0.25, rngs=rngs)
+    self.head = nnx.Linear(4, 3, rngs=rngs)
+
+  def __call__(self, x):
+    h = jax.nn.relu(self.bn(self.conv(x)))
+    return self.head(self.drop(h.mean((1, 2))))
+
+
+def net_batch(seed, n=16):
+  x = jax.random.normal(jax.random.key(seed), (n, 6, 6, 1))
+  # a learnable label: which third of the range the image mean falls in
+  y = jnp.digitize(x.mean((1, 2, 3)), jnp.array([-0.1, 0.1]))
+  return x, y
+
+
+def cross_entropy(model, batch):
+  logits = model(batch[0])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+
+
+LOSS = kfac_optax.losses.softmax_cross_entropy()
+
+
+def test_nnx_optimizer_under_nnx_jit_compiles_once_and_trains():
+  model = NNXNet(nnx.Rngs(0))
+  batch = net_batch(1)
+  tx = kfac_optax.kfac(model, LOSS, example_batch=batch, learning_rate=0.1)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  traces = []
+
+  @nnx.jit
+  def train_step(model, optimizer, batch, rng):
+    traces.append(None)
+    loss, grads = nnx.value_and_grad(cross_entropy)(model, batch)
+    optimizer.update(model, grads, batch=batch, rng=rng)
+    return loss
+
+  stats_before = nnx_capture.pure(nnx.state(model, nnx.BatchStat))
+  losses = [float(train_step(model, optimizer, batch, jax.random.key(i)))
+            for i in range(20)]
+  assert len(traces) == 1
+  assert losses[-1] < 0.7 * losses[0], losses
+  # The user's own forward passes (not K-FAC's) move the running statistics.
+  stats_after = nnx_capture.pure(nnx.state(model, nnx.BatchStat))
+  assert not np.allclose(stats_after["bn"]["mean"], stats_before["bn"]["mean"])
+  assert int(kfac_optax.stats(optimizer.opt_state)["rejected_statistics"]) == 0
+
+
+def test_raw_optax_over_nnx_split_state():
+  model = NNXNet(nnx.Rngs(0))
+  batch = net_batch(2)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  tx = kfac_optax.kfac(model, LOSS, example_batch=batch, learning_rate=0.1)
+  state = tx.init(params)  # Variables at the leaves, as nnx.split gives them
+  assert (jax.tree.structure(state)
+          == jax.tree.structure(tx.init(nnx_capture.pure(params))))
+  traces = []
+
+  def loss_fn(params, rest, batch):
+    model = nnx.merge(graphdef, params, rest)
+    return cross_entropy(model, batch), nnx.as_pure(nnx.state(model, nnx.Not(nnx.Param)))
+
+  @jax.jit
+  def train_step(params, rest, state, batch, rng):
+    traces.append(None)
+    (loss, rest), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, batch)
+    updates, state = tx.update(grads, state, params, batch=batch, rng=rng)
+    assert jax.tree.structure(updates) == jax.tree.structure(grads)
+    return optax.apply_updates(params, updates), rest, state, loss
+
+  losses, rest = [], nnx.as_pure(rest)
+  for i in range(10):
+    params, rest, state, loss = train_step(params, rest, state, batch,
+                                           jax.random.key(i))
+    losses.append(float(loss))
+  assert len(traces) == 1
+  assert losses[-1] < 0.8 * losses[0], losses
+
+
+# -- what K-FAC's pass reads and never changes ---------------------------------
+
+def snapshot(model):
+  """Every array of the model's state (keys as their data), as NumPy."""
+  return jax.tree.map(
+      lambda x: np.asarray(jax.random.key_data(x) if jnp.issubdtype(
+          x.dtype, jax.dtypes.prng_key) else x),
+      nnx_capture.pure(nnx.state(model)))
+
+
+def test_dropout_comes_from_rng_and_the_model_is_untouched():
+  model = NNXNet(nnx.Rngs(0))
+  batch = net_batch(3)
+  before = snapshot(model)
+  curvature = kfac_optax.Curvature(model, LOSS, example_batch=batch)
+  params = nnx_capture.pure(nnx.state(model, nnx.Param))
+  factors = jax.jit(lambda key: curvature.update(
+      curvature.init(params), params, batch=batch, rng=key, damping=DAMPING).factors)
+  same = [factors(jax.random.key(1)) for _ in range(2)]
+  other = factors(jax.random.key(2))
+  # Dropout masks and sampled targets come from rng alone.
+  jax.tree.map(np.testing.assert_array_equal, same[0], same[1])
+  assert bf.relative_error(other["head"], jax.tree.map(np.asarray, same[0]["head"])) > 1e-3
+  forward = jax.jit(lambda key: curvature.forward(params, batch, rng=key))
+  assert not np.allclose(forward(jax.random.key(1)), forward(jax.random.key(2)))
+  # Params, batch statistics and the Rngs' keys and counters as they were.
+  jax.tree.map(np.testing.assert_array_equal, before, snapshot(model))
+  assert type(model.conv) is nnx.Conv and type(model.bn) is nnx.BatchNorm
+
+
+def test_other_state_comes_from_variables():
+  """An eval-mode BatchNorm reads the statistics passed as variables=."""
+  model = NNXNet(nnx.Rngs(0))
+  model.eval()
+  batch = net_batch(4)
+  curvature = kfac_optax.Curvature(model, LOSS, example_batch=batch)
+  params = nnx_capture.pure(nnx.state(model, nnx.Param))
+  stats = {"bn": {"mean": jnp.full((4,), 0.5), "var": jnp.full((4,), 2.0)}}
+  nnx.update(model, nnx.State(stats))
+  np.testing.assert_allclose(curvature.forward(params, batch, variables=stats),
+                             model(batch[0]), rtol=1e-6)
+
+
+class Fails(nnx.Module):
+  """Raises inside its forward pass on a batch of 3."""
+
+  def __init__(self, rngs):
+    self.lin = nnx.Linear(2, 3, rngs=rngs)
+    self.out = nnx.Linear(3, 3, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.lin(x)
+    if x.shape[0] == 3:
+      raise RuntimeError("boom")
+    return self.out(h)
+
+
+def test_an_exception_inside_the_model_leaves_no_hook_behind():
+  model = Fails(nnx.Rngs(0))
+  call, attend = nnx.Linear.__call__, nnx.Embed.attend
+  batch = (jnp.ones((4, 2)), jnp.zeros((4,), jnp.int32))
+  tx = kfac_optax.scale_by_kfac(model, LOSS, example_batch=batch,
+                                estimation="empirical")
+  params = nnx.state(model, nnx.Param)
+  state = tx.init(params)
+  update = jax.jit(lambda batch: tx.update(params, state, params, batch=batch))
+  with pytest.raises(ValueError, match="RuntimeError: boom"):
+    update((jnp.ones((3, 2)), jnp.zeros((3,), jnp.int32)))
+  assert nnx_capture._ACTIVE == []  # pylint: disable=protected-access
+  assert nnx.Linear.__call__ is call and nnx.Embed.attend is attend
+  assert type(model.lin) is nnx.Linear and type(model.out) is nnx.Linear
+  update(batch)  # and K-FAC still works
+
+
+# -- describe, the fallback warning, overrides, registration ------------------
+
+class Affine(nnx.Module):
+  """A Dense of one's own: ``y = x @ w.T + b`` with ``w`` stored (out, in)."""
+
+  def __init__(self, d_in, d_out, rngs):
+    self.w = nnx.Param(jax.random.normal(rngs.params(), (d_out, d_in)) / d_in ** 0.5)
+    self.b = nnx.Param(jnp.zeros((d_out,)))
+
+  def __call__(self, x):
+    return x @ self.w[...].T + self.b[...]
+
+
+class Block(nnx.Module):
+
+  def __init__(self, rngs):
+    self.affine = Affine(6, 24, rngs)
+    self.lin = nnx.Linear(24, 6, use_bias=False, rngs=rngs)
+
+  def __call__(self, x):
+    return jnp.tanh(self.lin(jnp.tanh(self.affine(x))))
+
+
+class Blocks(nnx.Module):
+
+  def __init__(self, rngs):
+    self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+    self.head = nnx.Linear(6, 3, rngs=rngs)
+
+  def __call__(self, x):
+    for block in self.blocks:
+      x = block(x)
+    return self.head(x)
+
+
+@pytest.fixture
+def registry():
+  """Restores the layer registry after the test."""
+  saved = dict(kfac_optax.layers._REGISTRY)  # pylint: disable=protected-access
+  try:
+    yield
+  finally:
+    kfac_optax.layers._REGISTRY.clear()  # pylint: disable=protected-access
+    kfac_optax.layers._REGISTRY.update(saved)  # pylint: disable=protected-access
+
+
+def blocks_problem():
+  model = Blocks(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (8, 6))
+  return model, (x, jnp.arange(8) % 3), nnx.state(model, nnx.Param)
+
+
+def test_describe_and_fallback_warning_name_nnx_paths(registry):
+  del registry
+  model, batch, params = blocks_problem()
+  tx = kfac_optax.kfac(model, LOSS, example_batch=batch, learning_rate=0.1,
+                       layer_overrides={"blocks/1/lin": "diagonal"})
+  with pytest.warns(kfac_optax.FallbackWarning,
+                    match=r"get only K-FAC's diagonal fallback.*'blocks/\d/affine' \(168\)"):
+    tx.init(params)
+  kinds = {row.path: row.kind for row in kfac_optax.describe(tx, params).rows}
+  assert kinds == {"blocks/0/affine": "fallback", "blocks/1/affine": "fallback",
+                   "blocks/0/lin": "kronecker", "blocks/1/lin": "diagonal",
+                   "head": "kronecker"}
+  kfac_optax.register_layer(Affine, "dense", kernel="w", bias="b",
+                            kernel_layout="out_in")
+  kinds = {row.path: row.kind for row in kfac_optax.describe(tx, params).rows}
+  assert kinds["blocks/0/affine"] == kinds["blocks/1/affine"] == "kronecker"
+
+
+class LinearNet(nnx.Module):
+
+  def __init__(self, rngs):
+    self.first = nnx.Linear(6, 4, rngs=rngs)
+    self.out = nnx.Linear(4, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(jnp.tanh(self.first(x)))
+
+
+class AffineNet(LinearNet):
+
+  def __init__(self, rngs):
+    super().__init__(rngs)
+    self.first = Affine(6, 4, rngs)
+
+
+def test_registered_nnx_layer_equals_the_stock_layer(registry):
+  """An (out, in) kernel registered as such is preconditioned as the same
+  layer stored (in, out) by nnx.Linear: updates transposed, all else equal."""
+  del registry
+  kfac_optax.register_layer(Affine, "dense", kernel="w", bias="b",
+                            kernel_layout="out_in")
+  own, stock = AffineNet(nnx.Rngs(0)), LinearNet(nnx.Rngs(0))
+  stock.first.kernel[...] = own.first.w[...].T
+  stock.first.bias[...] = own.first.b[...]
+  stock.out.kernel[...], stock.out.bias[...] = own.out.kernel[...], own.out.bias[...]
+  x = jax.random.normal(jax.random.key(1), (8, 6))
+  batch = (x, jnp.arange(8) % 3)
+  grads = nnx.to_pure_dict(random_like(nnx.state(own, nnx.Param), 7))
+  stock_grads = {**grads, "first": {"kernel": grads["first"]["w"].T,
+                                    "bias": grads["first"]["b"]}}
+  _, expected = one_update(stock, nnx.state(stock, nnx.Param), batch, {},
+                           "empirical", grads=nnx.State(stock_grads))
+  _, actual = one_update(own, nnx.state(own, nnx.Param), batch, {}, "empirical",
+                         grads=nnx.State(grads))
+  want = nnx.to_pure_dict(expected)
+  want["first"] = {"w": want["first"]["kernel"].T, "b": want["first"]["bias"]}
+  assert bf.relative_error(nnx.to_pure_dict(actual), want) < 1e-5
+
+
+def test_layers_applied_by_nnx_scan_are_an_init_error():
+  class Stack(nnx.Module):
+
+    def __init__(self, rngs):
+      @nnx.split_rngs(splits=3)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return nnx.Linear(4, 4, rngs=rngs)
+      self.layers = make(rngs)
+      self.head = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      def body(x, layer):
+        return jnp.tanh(layer(x))
+      return self.head(body(x, self.layers))
+
+  model = Stack(nnx.Rngs(0))
+  batch = (jnp.ones((5, 4)), jnp.zeros((5,), jnp.int32))
+  tx = kfac_optax.scale_by_kfac(model, LOSS, example_batch=batch)
+  with pytest.raises(ValueError) as error:
+    tx.init(nnx.state(model, nnx.Param))
+  assert (
+      "Linear layers of Stack run inside an NNX transform (nnx.scan, nnx.vmap, "
+      "...) on copies of the model that K-FAC does not make, so their inputs and "
+      "output gradients cannot be captured (captured layers never called "
+      "directly: ['layers']).\nFix: apply such layers one by one from Python (e.g. "
+      "an nnx.List of layers applied in a for loop), so that each is a module of "
+      "the model K-FAC runs.") in str(error.value)
