@@ -1,4 +1,5 @@
-"""Smoke tests: the MLP and Hugging Face-style GPT-2 examples train both optimizers."""
+"""Smoke tests: the MLP (linen and NNX) and Hugging Face-style GPT-2 examples
+train both optimizers."""
 
 import math
 import re
@@ -7,6 +8,7 @@ import numpy as np
 
 from examples import gpt2_hf_style
 from examples import mlp_classifier
+from examples import nnx_mlp
 
 
 def test_mlp_classifier_quick_run(tmp_path):
@@ -18,6 +20,19 @@ def test_mlp_classifier_quick_run(tmp_path):
     for key, value in values.items():
       assert math.isfinite(value), (name, key, value)
     assert 0.0 <= values["test_accuracy"] <= 1.0
+
+
+def test_nnx_mlp_quick_run(tmp_path, capsys):
+  plot = tmp_path / "p.png"
+  metrics = nnx_mlp.main(["--quick", "--plot", str(plot)])
+  assert re.search(r"hidden/0 +kronecker", capsys.readouterr().out)
+  assert plot.is_file() and plot.stat().st_size > 0
+  assert set(metrics) == {"kfac", "adam"}
+  for name, values in metrics.items():
+    for key, value in values.items():
+      assert math.isfinite(value), (name, key, value)
+  # 60 steps on 2048 examples: K-FAC fits the training set faster than Adam.
+  assert metrics["kfac"]["train_loss"] < metrics["adam"]["train_loss"]
 
 
 def test_gpt2_hf_style_quick_run(capsys):
