@@ -186,7 +186,7 @@ class NNXModel:
 
   def _copy(self, variables: dict, rng: jax.Array | None) -> nnx.Module:
     """A fresh model from ``variables``: params, other state, random streams."""
-    given = {k: v for k, v in variables.items() if k not in _OWN_KEYS}
+    given = nnx.as_pure({k: v for k, v in variables.items() if k not in _OWN_KEYS})
     other = nnx.merge_state(self.other, given) if given else self.other
     return nnx.merge(self.graphdef, nnx.as_pure(variables["params"]),
                      self._streams(rng), other)

@@ -318,8 +318,10 @@ def test_dropout_comes_from_rng_and_the_model_is_untouched():
   before = snapshot(model)
   curvature = kfac_optax.Curvature(model, LOSS, example_batch=batch)
   params = nnx_capture.pure(nnx.state(model, nnx.Param))
+  stats = nnx.state(model, nnx.BatchStat)  # the model's own Variables
   factors = jax.jit(lambda key: curvature.update(
-      curvature.init(params), params, batch=batch, rng=key, damping=DAMPING).factors)
+      curvature.init(params), params, batch=batch, rng=key, damping=DAMPING,
+      variables=stats).factors)
   same = [factors(jax.random.key(1)) for _ in range(2)]
   other = factors(jax.random.key(2))
   # Dropout masks and sampled targets come from rng alone.

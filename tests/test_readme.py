@@ -16,6 +16,15 @@ def test_quick_start_runs(capsys):
   assert final < 1.0  # starts near log(10) ≈ 2.3 on this memorisable batch
 
 
+def test_flax_nnx_snippet_runs(capsys):
+  section = re.search(r"## Flax NNX\n(.*?)\n## ", README.read_text(), re.S).group(1)
+  snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  exec(compile(snippet, str(README), "exec"), {})  # pylint: disable=exec-used
+  final = float(re.search(r"loss after 20 steps: ([0-9.]+)",
+                          capsys.readouterr().out).group(1))
+  assert final < 1.0  # as the linen quick start's
+
+
 def test_your_own_layers_snippet_runs(capsys):
   section = re.search(r"## Your own layers\n(.*?)\n## ", README.read_text(), re.S).group(1)
   snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
