@@ -54,6 +54,11 @@ def output_name(method: str, call: int) -> str:
   return f"kfac_out_{call}" if method == CALL else f"kfac_{method}_out_{call}"
 
 
+class ParamsError(ValueError):
+  """Params that do not fit the model, found by a front-end's own check (an
+  NNX model's); its message names the cause and the fix."""
+
+
 class _Sink(nn.Module):
   """Holds a detached layer's entries in its caller's scope."""
 

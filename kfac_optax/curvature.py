@@ -358,7 +358,10 @@ class Curvature:
   """The K-FAC curvature of a flax model; see `transform.scale_by_kfac`.
 
   Attributes mirror `scale_by_kfac`'s arguments (``damping`` excepted: it is
-  passed to `update` and the products, so that callers can adapt it).
+  passed to `update` and the products, so that callers can adapt it). An
+  ``nnx.Module`` given as ``apply_fn`` is replaced by its
+  `nnx_capture.NNXModel`; params and vectors may then hold ``nnx.Variable``
+  leaves, and products come back in the structure of the vector given.
 
   Example:
     >>> import flax.linen as nn, jax, jax.numpy as jnp, kfac_optax
@@ -510,6 +513,8 @@ class Curvature:
     try:
       discovered = capture.discover(self.apply_fn, variables, args, call_kwargs,
                                     mutable)
+    except capture.ParamsError:
+      raise  # a front-end's own check of the params names cause and fix
     except Exception as error:  # re-raised with the fix named
       if isinstance(params, Mapping) and "params" in params:
         raise ValueError(

@@ -178,18 +178,37 @@ class NNXModel:
   """
 
   def __init__(self, model: nnx.Module):
-    self.graphdef, _, rng_state, other = nnx.split(model, nnx.Param,
-                                                   nnx.RngState, ...)
+    self.graphdef, params, rng_state, other = nnx.split(model, nnx.Param,
+                                                        nnx.RngState, ...)
+    self.param_shapes = _shapes(params)
     self.rng_state = nnx.as_pure(rng_state)
     self.other = nnx.as_pure(other)
     self.name = type(model).__name__
 
   def _copy(self, variables: dict, rng: jax.Array | None) -> nnx.Module:
     """A fresh model from ``variables``: params, other state, random streams."""
+    params = nnx.as_pure(variables["params"])
+    self._check_params(params)
     given = nnx.as_pure({k: v for k, v in variables.items() if k not in _OWN_KEYS})
     other = nnx.merge_state(self.other, given) if given else self.other
-    return nnx.merge(self.graphdef, nnx.as_pure(variables["params"]),
-                     self._streams(rng), other)
+    return nnx.merge(self.graphdef, params, self._streams(rng), other)
+
+  def _check_params(self, params: Any) -> None:
+    """The params must be the model's ``nnx.Param`` leaves, shapes and all."""
+    given = _shapes(params)
+    wrong = [f"{path}: missing" for path in self.param_shapes if path not in given]
+    wrong += [f"{path}: not a param of the model" for path in given
+              if path not in self.param_shapes]
+    wrong += [f"{path}: shape {shape}, the model's {self.param_shapes[path]}"
+              for path, shape in given.items()
+              if path in self.param_shapes and shape != self.param_shapes[path]]
+    if wrong:
+      raise capture.ParamsError(
+          f"the params do not match the NNX model {self.name}: "
+          f"{'; '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}.\nFix: "
+          "pass the model's params, nnx.state(model, nnx.Param) (as "
+          "nnx.Optimizer(model, tx, wrt=nnx.Param) does), unchanged in "
+          "structure and shapes.")
 
   def _streams(self, rng: jax.Array | None) -> Any:
     """The model's random streams, every key drawn from ``rng``, counts 0."""
@@ -262,6 +281,13 @@ class NNXModel:
         ".\nFix: apply such layers one by one from Python (e.g. an nnx.List "
         "of layers applied in a for loop), so that each is a module of the "
         "model K-FAC runs.")
+
+
+def _shapes(params: Any) -> dict[str, tuple[int, ...]]:
+  """{leaf path joined by "/": shape} of a params State or nested dict."""
+  flat = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.State(params)))
+  return {"/".join(str(k) for k in path): tuple(jnp.shape(leaf))
+          for path, leaf in flat.items()}
 
 
 def front_end(apply_fn: Any) -> Any:

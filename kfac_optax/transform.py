@@ -157,7 +157,10 @@ def scale_by_kfac(
   ``-learning_rate`` (see `kfac`), or any optax transforms.
 
   Args:
-    apply_fn: the flax apply function, e.g. ``model.apply``.
+    apply_fn: the flax apply function, e.g. ``model.apply``, or a Flax NNX
+      model (an ``nnx.Module``; see `nnx_capture`): its graph and non-param
+      state are read here, and the params tree is ``nnx.state(model,
+      nnx.Param)``, with Variables or pure arrays at its leaves.
     loss: the model's predictive distribution, a `kfac_optax.losses` loss.
     example_batch: a batch (or tree of ``jax.ShapeDtypeStruct``) with the
       structure of a training batch; traced once in ``init`` to find layers.
@@ -231,7 +234,10 @@ def scale_by_kfac(
     ``rng`` also seeds the ``"dropout"`` stream of K-FAC's pass; it must be
     one key (``jax.random.key`` or a raw ``jax.random.PRNGKey``), and
     ``grads`` must have the params' tree and shapes (else a ``TypeError``
-    or ``ValueError`` naming the argument).
+    or ``ValueError`` naming the argument); updates come back in the
+    structure of ``grads`` (``nnx.Variable`` leaves where it has them).
+    For an NNX model, ``variables`` is any part of its other state, e.g.
+    ``nnx.state(model, nnx.BatchStat)``.
     Updates are computed in float32 (float64 for float64 params) and
     returned in the gradients' dtype; one that would not fit it is scaled
     down (see `Curvature.precondition_and_count`) and counted in the state's
@@ -390,7 +396,8 @@ def kfac(
   curvature (damping and quadratic model), as in the original optimizers.
 
   Args:
-    apply_fn: the flax apply function, e.g. ``model.apply``.
+    apply_fn: the flax apply function, e.g. ``model.apply``, or an NNX
+      model (see `scale_by_kfac`).
     loss: the model's predictive distribution (`kfac_optax.losses`).
     example_batch: see `scale_by_kfac`.
     learning_rate: a float, a schedule of the step, or None (the automatic

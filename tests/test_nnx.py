@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import kfac_optax
 from kfac_optax import nnx_capture
@@ -518,3 +519,59 @@ def test_layers_applied_by_nnx_scan_are_an_init_error():
       "directly: ['layers']).\nFix: apply such layers one by one from Python (e.g. "
       "an nnx.List of layers applied in a for loop), so that each is a module of "
       "the model K-FAC runs.") in str(error.value)
+
+
+# -- data parallel ----------------------------------------------------------------
+
+class DenseNet(nnx.Module):
+  """Linear, BatchNorm (train mode), Dropout, Linear."""
+
+  def __init__(self, rngs):
+    self.hidden = nnx.Linear(36, 8, rngs=rngs)
+    self.bn = nnx.BatchNorm(8, rngs=rngs)
+    self.drop = nnx.Dropout(0.25, rngs=rngs)
+    self.head = nnx.Linear(8, 3, rngs=rngs)
+
+  def __call__(self, x):
+    h = jnp.tanh(self.bn(self.hidden(x.reshape(x.shape[0], -1))))
+    return self.head(self.drop(h))
+
+
+def test_sharded_batch_gives_unsharded_updates():
+  """tests/test_sharding.py's check for an NNX model (BatchNorm, dropout): a
+  batch sharded over 8 devices (Explicit axes), the inverses distributed
+  over them, gives the update of one device."""
+  model = DenseNet(nnx.Rngs(0))
+  data = net_batch(5)
+  params = nnx_capture.pure(nnx.state(model, nnx.Param))
+  tx = kfac_optax.kfac(model, LOSS, example_batch=data, learning_rate=0.1,
+                       inverse_update_period=1)
+  grads = random_like(params, 2)
+
+  update = jax.jit(lambda state, batch: tx.update(
+      grads, state, params, batch=batch, rng=jax.random.key(5)))
+  initial = jax.jit(tx.init)(params)  # one compile, not one per eager op
+  expected, _ = update(initial, data)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  with jax.set_mesh(mesh):
+    sharded = jax.device_put(data, NamedSharding(mesh, P("data")))
+    replicated = jax.device_put(initial, NamedSharding(mesh, P()))
+    actual, state = update(replicated, sharded)
+  assert bf.relative_error(actual, jax.tree.map(np.asarray, expected)) < 1e-4
+  assert int(state[0].count) == 1
+
+
+def test_params_that_do_not_fit_the_model_are_named():
+  model = NNXTiny(nnx.Rngs(0))
+  _, batch = bf.tiny_problem()
+  tx = kfac_optax.scale_by_kfac(model, LOSS, example_batch=batch)
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  fix = ("\nFix: pass the model's params, nnx.state(model, nnx.Param) (as "
+         "nnx.Optimizer(model, tx, wrt=nnx.Param) does), unchanged in structure "
+         "and shapes.")
+  with pytest.raises(ValueError) as error:
+    tx.init({**params, "extra": {"w": jnp.ones(2)}, "out": {"kernel": jnp.ones((3, 4))}})
+  assert str(error.value) == (
+      "the params do not match the NNX model NNXTiny: out/bias: missing; "
+      "extra/w: not a param of the model; out/kernel: shape (3, 4), the model's "
+      "(3, 3)." + fix)
