@@ -24,6 +24,15 @@ gradient with respect to the layer output. The swap is undone on every exit.
 Layers are keyed by their NNX attribute path joined by "/"
 (``"blocks/0/attn/query"``); a module reachable at several paths (shared
 weights) is one layer at its first path, its calls several calls.
+
+NNX transforms inside the model (``nnx.scan`` applying an ``nnx.vmap``-made
+layer stack, ``nnx.remat``) run copies of the layers that K-FAC does not
+make. Each captured layer's params carry its path as Variable metadata,
+which those copies keep, and a layer whose calls run on such copies gets
+Variables for their inputs and perturbations: the transform slices and
+stacks them along with the layer's params, so a stack of L layers yields
+inputs and perturbations with a leading axis L, the layout of linen's
+``nn.scan`` stacks (one block per layer, see `curvature`).
 """
 
 import contextlib
@@ -41,45 +50,64 @@ Path = tuple[str, ...]
 _OWN_KEYS = ("params", capture.INPUTS, capture.PERTURBATIONS)
 
 
+_PATH = "kfac_path"  # metadata on a captured layer's params: its path
+
+
+def _stash_name(kind: str, method: str, call: int) -> str:
+  """The attribute of a lifted layer's input or perturbation Variable."""
+  return f"kfac_{kind}_{method.strip('_')}_{call}"
+
+
 class _Recorder:
   """The layer calls of one run of a model copy.
 
+  A layer runs either on K-FAC's copy itself (its ``id`` is in ``paths``),
+  or on a copy an NNX transform made of it (``nnx.scan``, ``nnx.vmap`` over
+  a layer stack; ``nnx.remat``), recognised by the path K-FAC put in its
+  params' metadata: "lifted". A lifted call's input and perturbation travel
+  as Variables of the layer (see `_hooked`), which the transform stacks and
+  slices like the layer's params, so a stack gets one block per layer.
+
   Attributes:
     paths: ``id(module) -> path`` for the copy's modules.
-    layer_paths: the paths of the copy's captured layers.
+    layer_paths: path -> the copy's captured layer there.
     perturbations: method -> path -> per-call perturbations to add.
     discovering: record layouts and shapes (and add no perturbations).
-    inputs: (path, method) -> captured inputs, one per call.
+    inputs: (path, method) -> captured inputs, one per call (None for a
+      lifted call: its input is read from the layer's Variable afterwards).
+    lifted: (path, method, call) -> the stacked shape of a lifted call's
+      input (discovery).
     layouts, output_shapes, param_shapes: what discovery records (see
       `capture.Discovered`).
-    outputs: (path, method) -> output shapes, one per call (discovery).
-    foreign: class names of captured layers that ran on a copy K-FAC did not
-      make (an NNX transform's, e.g. ``nnx.scan`` over a layer stack).
+    outputs: (path, method) -> perturbation shapes, one per call (discovery).
   """
 
-  def __init__(self, paths: dict[int, Path], layer_paths: set[Path],
+  def __init__(self, paths: dict[int, Path], layer_paths: dict[Path, nnx.Module],
                perturbations: Any, discovering: bool):
     self.paths = paths
     self.layer_paths = layer_paths
     self.perturbations = capture.by_method(perturbations)
     self.discovering = discovering
     self.inputs: dict[tuple[Path, str], list[Any]] = {}
+    self.lifted: dict[tuple[Path, str, int], jax.ShapeDtypeStruct] = {}
     self.layouts: dict[Path, Any] = {}
     self.output_shapes: dict[Path, tuple[int, ...]] = {}
     self.param_shapes: dict[Path, dict[str, tuple[int, ...]]] = {}
     self.outputs: dict[tuple[Path, str], list[jax.ShapeDtypeStruct]] = {}
-    self.foreign: list[str] = []
     self.busy = False  # a kind's own helper calls are not layer calls
 
   def call(self, module: nnx.Module, method: str, original: Callable[..., Any],
            args: tuple, kwargs: dict) -> Any:
     """One call of a hooked layer's ``method``: recorded and perturbed."""
-    path = self.paths.get(id(module))
     kind = layers.kind_of(module)
     if self.busy or kind is None or method not in (capture.CALL, *kind.extra_methods):
       return original(module, *args, **kwargs)
-    if path is None:
-      self.foreign.append(type(module).__name__)
+    path = self.paths.get(id(module))
+    params = {name: v for name, v in vars(module).items() if isinstance(v, nnx.Param)}
+    lifted = path is None
+    if lifted:
+      path = next((v.get_metadata().get(_PATH) for v in params.values()), None)
+    if path is None:  # a layer made during the call: not a module of the model
       return original(module, *args, **kwargs)
     calls = self.inputs.setdefault((path, method), [])
     output = original(module, *args, **kwargs)
@@ -91,22 +119,35 @@ class _Recorder:
         self.busy = False
     else:  # other methods record their first argument
       captured = args[0] if args else next(iter(kwargs.values()))
-    calls.append(captured)
+    index = len(calls)
+    calls.append(None if lifted else captured)
     if not self.discovering:
-      return output + self.perturbations[method][path][len(calls) - 1]
+      if not lifted:
+        return output + self.perturbations[method][path][index]
+      getattr(module, _stash_name("in", method, index)).set_value(captured)
+      return output + getattr(module, _stash_name("out", method, index))[...]
     if method == capture.CALL:
       capture.record_layout(self.layouts, path, kind.layout(module, captured, output))
       self.output_shapes[path] = jnp.shape(output)
-      self.param_shapes[path] = {name: jnp.shape(value) for name, value in
-                                 vars(module).items() if isinstance(value, nnx.Param)}
+      self.param_shapes[path] = {name: jnp.shape(v) for name, v in params.items()}
+    stack = ()
+    if lifted:  # the leading axes the transform took off the params
+      name, value = next(iter(params.items()))
+      outer = jnp.shape(vars(self.layer_paths[path])[name][...])
+      stack = outer[:len(outer) - jnp.ndim(value[...])]
+      self.lifted[(path, method, index)] = jax.ShapeDtypeStruct(
+          stack + jnp.shape(captured), jnp.result_type(captured))
     self.outputs.setdefault((path, method), []).append(
-        jax.ShapeDtypeStruct(jnp.shape(output), jnp.result_type(output)))
+        jax.ShapeDtypeStruct(stack + jnp.shape(output), jnp.result_type(output)))
     return output
 
   def inputs_collection(self) -> dict:
-    """The captured inputs as linen's ``kfac_inputs`` collection."""
+    """The captured inputs as linen's ``kfac_inputs`` collection; a lifted
+    call's input read from its layer's Variable, stacked by the transform."""
     return traverse_util.unflatten_dict({
-        (*path, capture.input_name(method)): tuple(calls)
+        (*path, capture.input_name(method)): tuple(
+            getattr(self.layer_paths[path], _stash_name("in", method, i))[...]
+            if call is None else call for i, call in enumerate(calls))
         for (path, method), calls in self.inputs.items()})
 
   def perturbations_collection(self) -> dict:
@@ -145,17 +186,32 @@ def _hooked_class(cls: type, kind: layers.Kind) -> type:
 
 
 @contextlib.contextmanager
-def _hooked(model: nnx.Module, perturbations: Any, discovering: bool
+def _hooked(model: nnx.Module, perturbations: Any, discovering: bool,
+            lifted: dict[tuple[Path, str, int], jax.ShapeDtypeStruct]
             ) -> Iterator[_Recorder]:
-  """The copy's captured layers hooked while the block runs, then restored."""
+  """The copy's captured layers hooked while the block runs, then restored.
+
+  Each captured layer's params carry its path as metadata (NNX transforms
+  copy it to the layer copies they make), and a layer with lifted calls gets
+  Variables for their inputs (zeros) and perturbations.
+  """
   paths, swapped = {}, []
   for path, module in nnx.iter_modules(model):  # each module once, first path
-    paths[id(module)] = tuple(str(k) for k in path)
+    paths[id(module)] = path = tuple(str(k) for k in path)
     kind = layers.kind_of(module)
     if kind is not None:
       swapped.append((module, type(module), kind))
-  recorder = _Recorder(paths, {paths[id(m)] for m, _, _ in swapped},
+      for value in vars(module).values():
+        if isinstance(value, nnx.Param):
+          value.set_metadata(**{_PATH: path})
+  recorder = _Recorder(paths, {paths[id(m)]: m for m, _, _ in swapped},
                        perturbations, discovering)
+  for (path, method, call), shape in lifted.items():
+    layer = recorder.layer_paths[path]
+    setattr(layer, _stash_name("in", method, call),
+            nnx.Variable(jnp.zeros(shape.shape, shape.dtype)))
+    setattr(layer, _stash_name("out", method, call),
+            nnx.Variable(recorder.perturbations[method][path][call]))
   try:
     for module, cls, kind in swapped:
       object.__setattr__(module, "__class__", _hooked_class(cls, kind))
@@ -184,6 +240,7 @@ class NNXModel:
     self.rng_state = nnx.as_pure(rng_state)
     self.other = nnx.as_pure(other)
     self.name = type(model).__name__
+    self._traces: dict[Any, tuple[capture.Discovered, dict]] = {}  # see `_trace`
 
   def _copy(self, variables: dict, rng: jax.Array | None) -> nnx.Module:
     """A fresh model from ``variables``: params, other state, random streams."""
@@ -235,52 +292,59 @@ class NNXModel:
     rng = kwargs.pop("rngs", {}).get("dropout")
 
     def run(variables):
+      lifted = self._trace(variables, args, kwargs, reuse=True)[1]
       model = self._copy(variables, rng)
-      with _hooked(model, variables.get(capture.PERTURBATIONS, {}), False) as rec:
+      with _hooked(model, variables.get(capture.PERTURBATIONS, {}), False,
+                   lifted) as rec:
         outputs = model(*args, **kwargs)
       return outputs, {capture.INPUTS: rec.inputs_collection()}
     return run
 
-  def discover(self, variables: Any, args: Sequence[Any],
-               apply_kwargs: dict[str, Any]) -> capture.Discovered:
-    """`capture.discover` for this model: one abstract run under the hooks."""
-    kwargs = dict(apply_kwargs)
-    rng = kwargs.pop("rngs", {}).get("dropout")
+  def _trace(self, variables: Any, args: Sequence[Any], kwargs: dict[str, Any],
+             reuse: bool = False) -> tuple[capture.Discovered, dict]:
+    """(what `discover` returns, the stacked shapes of lifted calls' inputs)
+    from one abstract run under the hooks.
+
+    Remembered by the shapes of params and inputs: the capture pass after
+    `discover` (``reuse``) knows the shapes of lifted calls' inputs without
+    another trace. `discover` itself always traces, so that layers
+    registered since are seen.
+    """
+    params = nnx.as_pure(variables["params"])
+    signature = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x),
+                                                            jnp.result_type(x)),
+                             (params, tuple(args)))
+    key = (jax.tree.structure(signature), tuple(jax.tree.leaves(signature)))
+    if reuse and key in self._traces:
+      return self._traces[key]
     found = []
 
-    def run(variables, args):
-      model = self._copy(variables, rng)
-      with _hooked(model, {}, True) as recorder:
+    def run(params, args):
+      model = self._copy({**variables, "params": params}, None)
+      with _hooked(model, {}, True, {}) as recorder:
         found.append(recorder)
         return model(*args, **kwargs)
-    outputs = jax.eval_shape(run, variables, tuple(args))
+    outputs = jax.eval_shape(run, params, tuple(args))
     recorder = found[0]
-    if recorder.foreign:
-      raise self._foreign_error(recorder)
-    calls = {path: len(c) for (path, method), c in recorder.inputs.items()
-             if method == capture.CALL}
     other_methods = {}
     for path, method in recorder.inputs:
       if method != capture.CALL:
         other_methods[path] = (*other_methods.get(path, ()), method)
-    return capture.Discovered(
-        layouts=recorder.layouts, num_calls=calls, other_methods=other_methods,
-        output_shapes=recorder.output_shapes, param_shapes=recorder.param_shapes,
-        perturbations=recorder.perturbations_collection(),
-        outputs=outputs)
+    discovered = capture.Discovered(
+        layouts=recorder.layouts,
+        num_calls={path: len(calls) for (path, method), calls
+                   in recorder.inputs.items() if method == capture.CALL},
+        other_methods=other_methods, output_shapes=recorder.output_shapes,
+        param_shapes=recorder.param_shapes,
+        perturbations=recorder.perturbations_collection(), outputs=outputs)
+    self._traces[key] = (discovered, recorder.lifted)
+    return self._traces[key]
 
-  def _foreign_error(self, recorder: _Recorder) -> ValueError:
-    called = {path for path, _ in recorder.inputs}
-    uncalled = sorted("/".join(p) for p in recorder.layer_paths - called)
-    return ValueError(
-        f"{', '.join(sorted(set(recorder.foreign)))} layers of {self.name} run "
-        "inside an NNX transform (nnx.scan, nnx.vmap, ...) on copies of the "
-        "model that K-FAC does not make, so their inputs and output gradients "
-        "cannot be captured" + (f" (captured layers never called directly: "
-                                f"{uncalled})" if uncalled else "") +
-        ".\nFix: apply such layers one by one from Python (e.g. an nnx.List "
-        "of layers applied in a for loop), so that each is a module of the "
-        "model K-FAC runs.")
+  def discover(self, variables: Any, args: Sequence[Any],
+               apply_kwargs: dict[str, Any]) -> capture.Discovered:
+    """`capture.discover` for this model: one abstract run under the hooks."""
+    kwargs = {k: v for k, v in apply_kwargs.items() if k != "rngs"}
+    return self._trace(variables, args, kwargs)[0]
 
 
 def _shapes(params: Any) -> dict[str, tuple[int, ...]]:

@@ -490,35 +490,87 @@ def test_registered_nnx_layer_equals_the_stock_layer(registry):
   assert bf.relative_error(nnx.to_pure_dict(actual), want) < 1e-5
 
 
-def test_layers_applied_by_nnx_scan_are_an_init_error():
-  class Stack(nnx.Module):
+class Layer(nnx.Module):
+  """A pre-norm transformer layer: attention and an MLP."""
 
-    def __init__(self, rngs):
-      @nnx.split_rngs(splits=3)
-      @nnx.vmap(in_axes=(0,), out_axes=0)
-      def make(rngs):
-        return nnx.Linear(4, 4, rngs=rngs)
-      self.layers = make(rngs)
-      self.head = nnx.Linear(4, 2, rngs=rngs)
+  def __init__(self, rngs):
+    self.ln = nnx.LayerNorm(WIDTH, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(2, WIDTH, decode=False, rngs=rngs)
+    self.mlp = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
 
-    def __call__(self, x):
-      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-      def body(x, layer):
-        return jnp.tanh(layer(x))
-      return self.head(body(x, self.layers))
+  def __call__(self, h):
+    h = h + self.attn(self.ln(h))
+    return h + jnp.tanh(self.mlp(h))
 
-  model = Stack(nnx.Rngs(0))
-  batch = (jnp.ones((5, 4)), jnp.zeros((5,), jnp.int32))
-  tx = kfac_optax.scale_by_kfac(model, LOSS, example_batch=batch)
-  with pytest.raises(ValueError) as error:
-    tx.init(nnx.state(model, nnx.Param))
-  assert (
-      "Linear layers of Stack run inside an NNX transform (nnx.scan, nnx.vmap, "
-      "...) on copies of the model that K-FAC does not make, so their inputs and "
-      "output gradients cannot be captured (captured layers never called "
-      "directly: ['layers']).\nFix: apply such layers one by one from Python (e.g. "
-      "an nnx.List of layers applied in a for loop), so that each is a module of "
-      "the model K-FAC runs.") in str(error.value)
+
+class ScanLM(nnx.Module):
+  """The NNX guides' layer stack: made by nnx.vmap, applied by nnx.scan."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
+
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def stack(rngs):
+      return Layer(rngs)
+    self.layers = stack(rngs)
+
+  def __call__(self, ids):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def apply(h, layer):
+      return layer(h)
+    return self.embed.attend(apply(self.embed(ids), self.layers))
+
+
+class LoopLM(nnx.Module):
+  """ScanLM's twin: the same layers in an nnx.List, applied in a loop."""
+
+  def __init__(self, scanned):
+    self.embed = scanned.embed
+    state = nnx.state(scanned.layers)
+    self.layers = nnx.List([
+        nnx.merge(nnx.graphdef(scanned.layers), jax.tree.map(lambda x, i=i: x[i], state))
+        for i in range(3)])
+
+  def __call__(self, ids):
+    h = self.embed(ids)
+    for layer in self.layers:
+      h = layer(h)
+    return self.embed.attend(h)
+
+
+def test_scanned_layer_stack_gets_one_block_per_layer():
+  scanned = ScanLM(nnx.Rngs(0))
+  loop = LoopLM(scanned)
+  ids = jax.random.randint(jax.random.key(1), (3, LENGTH), 0, VOCAB)
+  batch = {"ids": ids, "y": jnp.roll(ids, -1, 1)}
+  np.testing.assert_allclose(scanned(ids), loop(ids), rtol=1e-5, atol=1e-6)
+  options = dict(inputs=lambda b: b["ids"], loss=kfac_optax.losses.softmax_cross_entropy(
+      targets=lambda b: b["y"]))
+  tx = kfac_optax.scale_by_kfac(scanned, options["loss"], example_batch=batch,
+                                inputs=options["inputs"])
+  rows = {row.path: row for row in kfac_optax.describe(
+      tx, nnx.state(scanned, nnx.Param)).rows}
+  assert rows["layers/attn/query"].kind == "kronecker"
+  assert "3 × (A 9×9" in str(kfac_optax.describe(tx, nnx.state(scanned, nnx.Param)))
+  grads = nnx.to_pure_dict(random_like(nnx.state(scanned, nnx.Param), 7))
+  loop_grads = {"embed": grads["embed"], "layers": {
+      i: jax.tree.map(lambda x, i=i: x[i], grads["layers"]) for i in range(3)}}
+  stacked_factors, stacked = one_update(scanned, nnx.state(scanned, nnx.Param),
+                                        batch, options, "empirical",
+                                        grads=nnx.State(grads))
+  loop_factors, looped = one_update(loop, nnx.state(loop, nnx.Param), batch,
+                                    options, "empirical",
+                                    grads=nnx.State(loop_grads))
+  stacked, looped = nnx.to_pure_dict(stacked), nnx.to_pure_dict(looped)
+  for i in range(3):
+    for key in ("ln", "attn/query", "attn/out", "mlp"):
+      assert bf.relative_error(
+          jax.tree.map(lambda x, i=i: x[i], stacked_factors[f"layers/{key}"]),
+          jax.tree.map(np.asarray, loop_factors[f"layers/{i}/{key}"])) < 1e-5, key
+    assert bf.relative_error(jax.tree.map(lambda x, i=i: x[i], stacked["layers"]),
+                             looped["layers"][i]) < 1e-4
+  assert bf.relative_error(stacked["embed"], looped["embed"]) < 1e-4
 
 
 # -- data parallel ----------------------------------------------------------------
