@@ -48,8 +48,6 @@ from kfac_optax import layers
 
 Path = tuple[str, ...]
 _OWN_KEYS = ("params", capture.INPUTS, capture.PERTURBATIONS)
-
-
 _PATH = "kfac_path"  # metadata on a captured layer's params: its path
 
 
