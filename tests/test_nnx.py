@@ -432,25 +432,13 @@ class Blocks(nnx.Module):
     return self.head(x)
 
 
-@pytest.fixture
-def registry():
-  """Restores the layer registry after the test."""
-  saved = dict(kfac_optax.layers._REGISTRY)  # pylint: disable=protected-access
-  try:
-    yield
-  finally:
-    kfac_optax.layers._REGISTRY.clear()  # pylint: disable=protected-access
-    kfac_optax.layers._REGISTRY.update(saved)  # pylint: disable=protected-access
-
-
 def blocks_problem():
   model = Blocks(nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(1), (8, 6))
   return model, (x, jnp.arange(8) % 3), nnx.state(model, nnx.Param)
 
 
-def test_describe_and_fallback_warning_name_nnx_paths(registry):
-  del registry
+def test_describe_and_fallback_warning_name_nnx_paths():
   model, batch, params = blocks_problem()
   tx = kfac_optax.kfac(model, LOSS, example_batch=batch, learning_rate=0.1,
                        layer_overrides={"blocks/1/lin": "diagonal"})
@@ -484,10 +472,10 @@ class AffineNet(LinearNet):
     self.first = Affine(6, 4, rngs)
 
 
-def test_registered_nnx_layer_equals_the_stock_layer(registry):
+def test_registered_nnx_layer_equals_the_stock_layer():
   """An (out, in) kernel registered as such is preconditioned as the same
-  layer stored (in, out) by nnx.Linear: updates transposed, all else equal."""
-  del registry
+  layer stored (in, out) by nnx.Linear: updates transposed, all else equal.
+  (conftest restores the registry after each test.)"""
   kfac_optax.register_layer(Affine, "dense", kernel="w", bias="b",
                             kernel_layout="out_in")
   own, stock = AffineNet(nnx.Rngs(0)), LinearNet(nnx.Rngs(0))
