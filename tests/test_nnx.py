@@ -169,7 +169,7 @@ def cnn_case():
 CASES = {"tiny": tiny_case, "lm": lm_case, "cnn": cnn_case}
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+@pytest.fixture(scope="module")
 def twins(request):
   linen, make, variables, batch, options = CASES[request.param]()
   return request.param, linen, twin_of(make, variables), variables, batch, options
@@ -201,11 +201,12 @@ def by_path(tree):
 ESTIMATIONS = ("fisher", "empirical", "exact", "curvature_prop")
 
 
-@pytest.mark.parametrize("estimation", ESTIMATIONS)
+# Every estimation mode on the tiny twin; the others (compile time) "fisher".
+@pytest.mark.parametrize("twins, estimation", [
+    *[("tiny", estimation) for estimation in ESTIMATIONS],
+    ("lm", "fisher"), ("cnn", "fisher")], indirect=["twins"])
 def test_nnx_model_gives_its_linen_twins_factors_and_updates(twins, estimation):
-  name, linen, model, variables, batch, options = twins
-  if name != "tiny" and estimation != "fisher":
-    pytest.skip("every estimation mode runs on the tiny twin (compile time)")
+  _, linen, model, variables, batch, options = twins
   others = {k: v for k, v in variables.items() if k != "params"}
   expected = one_update(linen.apply, variables["params"], batch, options,
                         estimation, others or None)
