@@ -385,7 +385,7 @@ class Curvature:
   inverse_update_period: int = 5
   stats_update_period: int = 1
   estimation: str = "fisher"
-  inverse: str = "eigh"
+  inverse: str = "auto"
   num_samples: int = 1
   apply_kwargs: dict[str, Any] | None = None
   layer_overrides: dict[str, str] | None = None
@@ -704,12 +704,13 @@ class Curvature:
             jnp.where(finite, new_count, stats_count),
             rejected + jnp.where(finite, 0, 1))
 
-  def _powers(self, plan, factors, damping, power, method):
-    """Every block's damped factors raised to ``power`` (batched over blocks)."""
+  def _powers(self, plan, factors, damping, power, method, previous=None):
+    """Every block's damped factors raised to ``power`` (batched over blocks;
+    ``previous``: the inverses in use, where a method starts from them)."""
     return linalg.invert_all(
         {key: block.damped(factors[key], damping)
          for key, block in plan.all_blocks().items()},
-        method, sharding.stack_sharding(self.mesh), power=power)
+        method, sharding.stack_sharding(self.mesh), power=power, previous=previous)
 
   def _refresh_inverses(self, plan, factors, old, damping):
     """New inverses, or all the old ones if the damping or any block failed.
@@ -719,7 +720,7 @@ class Curvature:
     rejected even where its inverse happens to be finite.
     """
     inverses, old_damping, rejected = old
-    fresh = self._powers(plan, factors, damping, -1, self.inverse)
+    fresh = self._powers(plan, factors, damping, -1, self.inverse, inverses)
     ok = (damping > 0) & jnp.isfinite(damping) & _all_finite(fresh)
     keep = lambda n, o: jnp.where(ok, n, o).astype(o.dtype)
     return (jax.tree.map(keep, fresh, inverses), keep(damping, old_damping),

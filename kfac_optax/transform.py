@@ -119,7 +119,7 @@ def scale_by_kfac(
     inverse_update_period: int = 5,
     stats_update_period: int = 1,
     estimation: str = "fisher",
-    inverse: str = "eigh",
+    inverse: str = "auto",
     num_samples: int = 1,
     apply_kwargs: dict[str, Any] | None = None,
     layer_overrides: dict[str, str] | None = None,
@@ -185,7 +185,15 @@ def scale_by_kfac(
       targets), ``"exact"`` (one backward pass per output dimension),
       ``"curvature_prop"`` (random-sign combinations of the exact ones,
       needs ``rng``).
-    inverse: ``"eigh"`` or ``"cholesky"``.
+    inverse: how the refresh inverts the damped factors: ``"eigh"``,
+      ``"cholesky"`` (LAPACK; on CPU through SciPy's OpenBLAS, whose threads
+      contend with XLA's on a busy machine), ``"newton_schulz"`` (matrix
+      products only, started from the previous inverse, Cholesky where it
+      stays inaccurate; `linalg.newton_schulz_inverse`), or ``"auto"``
+      (default): ``"newton_schulz"`` on CPU, where it was measured fastest
+      in a training step, ``"eigh"`` on other backends
+      (`linalg.resolve_inverse`). See benchmarks/RESULTS.md, "The inverse
+      refresh on a busy CPU".
     num_samples: draws per example for ``"fisher"`` and ``"curvature_prop"``,
       a positive int.
     apply_kwargs: constant keyword arguments for ``apply_fn`` (e.g.
@@ -341,7 +349,7 @@ def kfac(
     inverse_update_period: int = 5,
     stats_update_period: int = 1,
     estimation: str = "fisher",
-    inverse: str = "eigh",
+    inverse: str = "auto",
     num_samples: int = 1,
     apply_kwargs: dict[str, Any] | None = None,
     layer_overrides: dict[str, str] | None = None,
