@@ -70,9 +70,10 @@ def resolve_inverse(method: str) -> str:
 
   ``"newton_schulz"`` on CPU: in a training step there, LAPACK's eigh and
   Cholesky (SciPy's OpenBLAS threads, contending with XLA's) made the
-  README example's K-FAC step 17 and 4 times slower than Newton-Schulz on
-  a shared 2-core machine (benchmarks/RESULTS.md, "The inverse refresh on
-  a busy CPU"). ``"eigh"`` elsewhere (not measured against the others).
+  README example's K-FAC step 35 and 6 times slower than Newton-Schulz on
+  a shared 2-core machine, 45 and 8 times with one more busy process
+  (benchmarks/RESULTS.md, "The inverse refresh on a busy CPU"). ``"eigh"``
+  elsewhere (not measured against the others).
   """
   if method != "auto":
     return method
