@@ -70,8 +70,8 @@ def resolve_inverse(method: str) -> str:
 
   ``"newton_schulz"`` on CPU: in a training step there, LAPACK's eigh and
   Cholesky (SciPy's OpenBLAS threads, contending with XLA's) made the
-  README example's K-FAC step 35 and 6 times slower than Newton-Schulz on
-  a shared 2-core machine, 45 and 8 times with one more busy process
+  README example's K-FAC step 22 and 4 times slower than Newton-Schulz on
+  a shared 2-core machine, 9 and 4 times with one more busy process
   (benchmarks/RESULTS.md, "The inverse refresh on a busy CPU"). ``"eigh"``
   elsewhere (not measured against the others).
   """
@@ -81,10 +81,12 @@ def resolve_inverse(method: str) -> str:
 
 
 def newton_schulz_tolerance(dtype: Any) -> float:
-  """The residual Newton-Schulz stops at: a quarter of ``sqrt(eps)`` of
-  ``dtype`` (8.6e-5 for float32, 3.7e-9 for float64), half its digits; one
-  more iteration would square it, below round-off."""
-  return math.sqrt(float(jnp.finfo(dtype).eps)) / 4
+  """The residual Newton-Schulz stops at: ``8 eps`` of ``dtype`` (9.5e-7
+  for float32), round-off. So the result is as accurate as the dtype
+  allows (the stall test of `newton_schulz_inverse` ends it earlier for
+  ill-conditioned factors) and does not depend on the start, which keeps
+  runs that differ only in their previous inverses alike."""
+  return 8 * float(jnp.finfo(dtype).eps)
 
 
 def damped_inverse(matrix: jax.Array, damping: jax.Array, method: str) -> jax.Array:
@@ -151,8 +153,9 @@ def newton_schulz_inverse(
   bounds D's eigenvalues, so the residual's eigenvalues ``1 - λ_i/‖D‖_∞``
   lie in ``[0, 1)`` and shrink monotonically (about ``log₂ κ(D)`` more
   iterations). Iterates until ``‖R‖_F ≤ tolerance``, or until an iteration
-  stops reducing it (float32 round-off, ``≈ κ(D) ε``), keeping the best
-  iterate; at most ``max_iterations``.
+  stops reducing it or, below 1e-2, fails to halve it (round-off,
+  ``≈ κ(D) ε``, has taken over), keeping the best iterate; at most
+  ``max_iterations``.
 
   Args:
     matrix: a symmetric PSD ``M`` (d, d).
@@ -197,8 +200,12 @@ def newton_schulz_inverse(
     new_r = residual_of(new_x)
     new_size = norm(new_r)
     better = new_size < size
+    # Below 1e-2 the residual squares at every step; a smaller gain means
+    # round-off has taken over.
+    stalled = (size < 1e-2) & (new_size > size / 2)
     pick = lambda new, old: jnp.where(better, new, old)
-    return k + 1, pick(new_x, x), pick(new_r, r), pick(new_size, size), ~better
+    return (k + 1, pick(new_x, x), pick(new_r, r), pick(new_size, size),
+            ~better | stalled)
 
   size = norm(r0)  # counters derived from it: varying like it under shard_map
   k, x, _, size, _ = jax.lax.while_loop(
