@@ -341,6 +341,10 @@ def _all_finite(tree: Any) -> jax.Array:
       [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]))
 
 
+def _is_positive_int(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def on_schedule(period: Any, count: jax.Array, refresh: Callable[[Any], Any],
                 current: Any) -> Any:
   """``refresh(current)`` when ``count % period == 0``, else ``current``.
@@ -385,7 +389,7 @@ class Curvature:
   inverse_update_period: int = 5
   stats_update_period: int = 1
   estimation: str = "fisher"
-  inverse: str = "eigh"
+  inverse: str = "auto"
   num_samples: int = 1
   apply_kwargs: dict[str, Any] | None = None
   layer_overrides: dict[str, str] | None = None
@@ -393,6 +397,7 @@ class Curvature:
   mesh: jax.sharding.Mesh | None = None
   outputs: Callable[[Any], Any] | None = None
   max_factor_dim: int | str | None = "auto"
+  curvature_batch_size: int | None = None
 
   def __post_init__(self):
     # An nnx.Module runs through its own front-end (see `nnx_capture`).
@@ -406,13 +411,15 @@ class Curvature:
     checks.in_range("ema_decay", self.ema_decay, 0.0, 1.0, high_open=True)
     checks.count("inverse_update_period", self.inverse_update_period, 1)
     checks.count("stats_update_period", self.stats_update_period, 1)
-    if not isinstance(self.num_samples, int) or self.num_samples < 1:
-      raise ValueError(
-          f"num_samples must be a positive Python int, got {self.num_samples!r}; "
-          "with optax.inject_hyperparams, list it in static_args")
+    for name, valid in (("num_samples", "a positive Python int"),
+                        ("curvature_batch_size", "a positive Python int or None")):
+      value = getattr(self, name)
+      if not (_is_positive_int(value) or (value is None and "None" in valid)):
+        raise ValueError(f"{name} must be {valid}, got {value!r}; with "
+                         "optax.inject_hyperparams, list it in static_args")
     bound = self.max_factor_dim
-    if not (bound is None or (isinstance(bound, str) and bound == "auto") or (
-        isinstance(bound, int) and not isinstance(bound, bool) and bound >= 1)):
+    if not (bound is None or (isinstance(bound, str) and bound == "auto")
+            or _is_positive_int(bound)):
       raise ValueError(
           "max_factor_dim must be a positive Python int, None (no bound) or "
           f"\"auto\" ({DEFAULT_MAX_FACTOR_DIM}), got {self.max_factor_dim!r}; with "
@@ -635,6 +642,30 @@ class Curvature:
     return ScaleByKFACState(*counters[:2], factors, inverses,
                             jnp.full([], jnp.nan, dtype), *counters[2:])
 
+  def _statistics_batch(self, batch: Any) -> Any:
+    """The first ``curvature_batch_size`` examples of ``batch`` (all of it
+    for None): every leaf sliced on its leading axis."""
+    size = self.curvature_batch_size
+    if size is None:
+      return batch
+    leaves = jax.tree.leaves(batch)
+    leading = {jnp.shape(leaf)[0] if jnp.ndim(leaf) else None for leaf in leaves}
+    if len(leading) != 1 or None in leading:
+      shapes = [tuple(jnp.shape(leaf)) for leaf in leaves]
+      raise ValueError(
+          f"curvature_batch_size={size} takes the first {size} examples of every "
+          f"leaf of the batch, but its leaves have no common leading (batch) "
+          f"axis: shapes {shapes[:8]}{' ...' if len(shapes) > 8 else ''}.\nFix: "
+          "give every leaf of the batch the examples on its first axis, or "
+          "curvature_batch_size=None (statistics from the whole batch).")
+    (batch_size,) = leading
+    if size > batch_size:
+      raise ValueError(
+          f"curvature_batch_size={size} exceeds the batch size {batch_size}.\n"
+          f"Fix: curvature_batch_size <= {batch_size}, or None (statistics from "
+          "the whole batch).")
+    return jax.tree.map(lambda leaf: leaf[:size], batch)
+
   def _batch_statistics(self, plan, params, batch, variables, rng):
     flat_params, treedef = flatten(params)
     sample_key, model_key = jax.random.split(
@@ -684,12 +715,13 @@ class Curvature:
             jnp.where(finite, new_count, stats_count),
             rejected + jnp.where(finite, 0, 1))
 
-  def _powers(self, plan, factors, damping, power, method):
-    """Every block's damped factors raised to ``power`` (batched over blocks)."""
+  def _powers(self, plan, factors, damping, power, method, previous=None):
+    """Every block's damped factors raised to ``power`` (batched over blocks;
+    ``previous``: the inverses in use, where a method starts from them)."""
     return linalg.invert_all(
         {key: block.damped(factors[key], damping)
          for key, block in plan.all_blocks().items()},
-        method, sharding.stack_sharding(self.mesh), power=power)
+        method, sharding.stack_sharding(self.mesh), power=power, previous=previous)
 
   def _refresh_inverses(self, plan, factors, old, damping):
     """New inverses, or all the old ones if the damping or any block failed.
@@ -699,7 +731,7 @@ class Curvature:
     rejected even where its inverse happens to be finite.
     """
     inverses, old_damping, rejected = old
-    fresh = self._powers(plan, factors, damping, -1, self.inverse)
+    fresh = self._powers(plan, factors, damping, -1, self.inverse, inverses)
     ok = (damping > 0) & jnp.isfinite(damping) & _all_finite(fresh)
     keep = lambda n, o: jnp.where(ok, n, o).astype(o.dtype)
     return (jax.tree.map(keep, fresh, inverses), keep(damping, old_damping),
@@ -713,7 +745,8 @@ class Curvature:
     Args:
       state: the current state.
       params: the model's params.
-      batch: the training batch.
+      batch: the training batch (its first ``curvature_batch_size`` examples
+        when that is set).
       rng: a key (needed for ``estimation="fisher"``/``"curvature_prop"``).
       variables: other collections the model needs (e.g. batch_stats).
       damping: λ for the inverses refreshed now; a refresh with a λ that
@@ -721,6 +754,7 @@ class Curvature:
     """
     variables = dict(variables or {})
     params = nnx_capture.pure(params)
+    batch = self._statistics_batch(batch)
     plan = self._plan(params, batch, variables, list(variables), "batch")
     damping = jnp.asarray(damping, state.damping.dtype)
 

@@ -12,7 +12,10 @@ from typing import Any, Callable, Iterable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-INVERSE_METHODS = ("eigh", "cholesky")
+INVERSE_METHODS = ("auto", "eigh", "cholesky", "newton_schulz")
+NEWTON_SCHULZ_MAX_ITERATIONS = 40
+# A result with a larger residual is replaced by a Cholesky inverse.
+NEWTON_SCHULZ_ACCEPTED = 0.1
 
 
 def curvature_dtype(params: Any) -> jnp.dtype:
@@ -62,6 +65,30 @@ def mean_eigenvalue(matrix: jax.Array) -> jax.Array:
   return jnp.trace(matrix) / matrix.shape[0]
 
 
+def resolve_inverse(method: str) -> str:
+  """The inverse method ``"auto"`` stands for on the default backend.
+
+  ``"newton_schulz"`` on CPU: in a training step there, LAPACK's eigh and
+  Cholesky (SciPy's OpenBLAS threads, contending with XLA's) made the
+  README example's K-FAC step 22 and 4 times slower than Newton-Schulz on
+  a shared 2-core machine, 9 and 4 times with one more busy process
+  (benchmarks/RESULTS.md, "The inverse refresh on a busy CPU"). ``"eigh"``
+  elsewhere (not measured against the others).
+  """
+  if method != "auto":
+    return method
+  return "newton_schulz" if jax.default_backend() == "cpu" else "eigh"
+
+
+def newton_schulz_tolerance(dtype: Any) -> float:
+  """The residual Newton-Schulz stops at: ``8 eps`` of ``dtype`` (9.5e-7
+  for float32), round-off. So the result is as accurate as the dtype
+  allows (the stall test of `newton_schulz_inverse` ends it earlier for
+  ill-conditioned factors) and does not depend on the start, which keeps
+  runs that differ only in their previous inverses alike."""
+  return 8 * float(jnp.finfo(dtype).eps)
+
+
 def damped_inverse(matrix: jax.Array, damping: jax.Array, method: str) -> jax.Array:
   """``(M + damping·I)⁻¹`` for a symmetric positive semi-definite ``M``.
 
@@ -69,13 +96,17 @@ def damped_inverse(matrix: jax.Array, damping: jax.Array, method: str) -> jax.Ar
     matrix: symmetric PSD matrix (float32 or float64).
     damping: positive scalar added to the diagonal.
     method: ``"eigh"`` (eigenvalues clipped at 0 before damping, robust to
-      round-off negativity) or ``"cholesky"`` (faster, needs ``M + dI`` to be
-      numerically positive definite).
+      round-off negativity), ``"cholesky"`` (faster, needs ``M + dI`` to be
+      numerically positive definite), ``"newton_schulz"`` (matrix
+      products only, `newton_schulz_inverse` from the scaled identity;
+      Cholesky where its residual stays above ``NEWTON_SCHULZ_ACCEPTED``)
+      or ``"auto"`` (`resolve_inverse`).
 
   Returns:
     The inverse, same shape as ``matrix``. Non-finite if the factorisation
     failed; callers keep the previous inverse in that case.
   """
+  method = resolve_inverse(method)
   if method == "eigh":
     eigenvalues, eigenvectors = jnp.linalg.eigh(matrix)
     scale = 1.0 / (jnp.maximum(eigenvalues, 0.0) + damping)
@@ -84,7 +115,103 @@ def damped_inverse(matrix: jax.Array, damping: jax.Array, method: str) -> jax.Ar
     identity = jnp.eye(matrix.shape[0], dtype=matrix.dtype)
     factor = jax.scipy.linalg.cho_factor(matrix + damping * identity, lower=True)
     return jax.scipy.linalg.cho_solve(factor, identity)
+  if method == "newton_schulz":
+    inverse, residual, _ = newton_schulz_inverse(matrix, damping)
+    return jax.lax.cond(residual <= NEWTON_SCHULZ_ACCEPTED, lambda: inverse,
+                        lambda: damped_inverse(matrix, damping, "cholesky"))
   raise ValueError(f"inverse must be one of {INVERSE_METHODS}, got {method!r}")
+
+
+class NewtonSchulz(NamedTuple):
+  """`newton_schulz_inverse`'s result."""
+  inverse: jax.Array
+  residual: jax.Array    # ‖I - (M + δI) X‖_F of the returned X
+  iterations: jax.Array  # iterations run (the rejected last one included)
+
+
+def newton_schulz_inverse(
+    matrix: jax.Array, damping: jax.Array, previous: jax.Array | None = None, *,
+    tolerance: float | None = None,
+    max_iterations: int = NEWTON_SCHULZ_MAX_ITERATIONS) -> NewtonSchulz:
+  """``(M + δI)⁻¹`` by Newton-Schulz iterations: matrix products only.
+
+  With ``D = M + δI`` and the residual ``R_k = I - D X_k``,
+
+  .. math::
+    X_{k+1} = X_k (2I - D X_k) = X_k + X_k R_k, \\quad R_{k+1} = R_k^2,
+
+  so the residual's eigenvalues square at every step: quadratic convergence
+  once ``‖R‖ < 1``. The error of the result is ``D⁻¹ - X = D⁻¹ R`` (relative
+  error ``‖R‖₂ ≤ ‖R‖_F`` in every direction). No LAPACK call: the products
+  run on XLA's own threads (on CPU, LAPACK's OpenBLAS threads contend with
+  XLA's on a busy machine).
+
+  Start: ``previous`` (the last refresh's inverse: factors change little
+  between refreshes, so a few iterations suffice) when its residual has
+  Frobenius norm below 1, which guarantees convergence (the spectral
+  radius is at most that norm); else ``I / ‖D‖_∞``: the max-row-sum norm
+  bounds D's eigenvalues, so the residual's eigenvalues ``1 - λ_i/‖D‖_∞``
+  lie in ``[0, 1)`` and shrink monotonically (about ``log₂ κ(D)`` more
+  iterations). Iterates until ``‖R‖_F ≤ tolerance``, or until an iteration
+  stops reducing it or, below 1e-2, fails to halve it (round-off,
+  ``≈ κ(D) ε``, has taken over), keeping the best iterate; at most
+  ``max_iterations``.
+
+  Args:
+    matrix: a symmetric PSD ``M`` (d, d).
+    damping: δ > 0.
+    previous: an approximate inverse to start from, or None.
+    tolerance: the residual to stop at (default:
+      `newton_schulz_tolerance` of the matrix's dtype).
+    max_iterations: the most iterations.
+
+  Returns:
+    `NewtonSchulz`: the symmetrised inverse, its residual norm (callers fall
+    back to another method when it is large; nan for non-finite input) and
+    the iterations run.
+
+  References:
+    Schulz, "Iterative Berechnung der reziproken Matrix", ZAMM 1933;
+    Pan & Schreiber, "An improved Newton iteration for the generalized
+    inverse of a matrix", SIAM J. Sci. Stat. Comput. 1991 (the scaled
+    identity start).
+  """
+  if tolerance is None:
+    tolerance = newton_schulz_tolerance(matrix.dtype)
+  identity = jnp.eye(matrix.shape[-1], dtype=matrix.dtype)
+  damped = matrix + damping * identity
+  residual_of = lambda x: identity - damped @ x
+  norm = lambda r: jnp.sqrt(jnp.sum(r * r))
+  scale = 1 / jnp.max(jnp.sum(jnp.abs(damped), axis=1))
+  start, r0 = scale * identity, identity - scale * damped
+  if previous is not None:
+    warm = previous.astype(matrix.dtype)
+    warm_r = residual_of(warm)
+    use = norm(warm_r) < 1
+    start, r0 = jnp.where(use, warm, start), jnp.where(use, warm_r, r0)
+
+  def running(carry):
+    k, _, _, size, done = carry
+    return (k < max_iterations) & ~done & (size > tolerance)
+
+  def iterate(carry):
+    k, x, r, size, _ = carry
+    new_x = x + x @ r
+    new_r = residual_of(new_x)
+    new_size = norm(new_r)
+    better = new_size < size
+    # Below 1e-2 the residual squares at every step; a smaller gain means
+    # round-off has taken over.
+    stalled = (size < 1e-2) & (new_size > size / 2)
+    pick = lambda new, old: jnp.where(better, new, old)
+    return (k + 1, pick(new_x, x), pick(new_r, r), pick(new_size, size),
+            ~better | stalled)
+
+  size = norm(r0)  # counters derived from it: varying like it under shard_map
+  k, x, _, size, _ = jax.lax.while_loop(
+      running, iterate, (jnp.zeros_like(size, jnp.int32), start, r0, size,
+                         jnp.zeros_like(size, bool)))
+  return NewtonSchulz((x + x.T) / 2, size, k)
 
 
 class Damped(NamedTuple):
@@ -196,7 +323,8 @@ def bucket_sizes(sizes: Iterable[int], max_padding: float = 1.25) -> dict[int, i
 
 
 def invert_all(tree: Any, method: str, stack_sharding: Any = None,
-               max_padding: float = 1.25, power: float = -1) -> Any:
+               max_padding: float = 1.25, power: float = -1,
+               previous: Any = None) -> Any:
   """Replaces every `Damped` leaf of ``tree`` by its damped inverse, batched.
 
   (Or, with ``power``, by any power of it; `DampedDiagonal` leaves likewise,
@@ -218,6 +346,9 @@ def invert_all(tree: Any, method: str, stack_sharding: Any = None,
       stacks and gathers the result (see `kfac_optax.sharding`).
     max_padding: see `bucket_sizes`.
     power: the exponent (see `damped_power`).
+    previous: None, or a tree with the structure of the result (the
+      inverses in use): ``method="newton_schulz"`` starts each inverse from
+      its previous one (see `newton_schulz_inverse`); other methods ignore it.
 
   `DampedLag` leaves (the series blocks of recurrent layers) are replaced by
   their decomposition (`Whitened` or `Transition`), stacked by exact size
@@ -226,30 +357,37 @@ def invert_all(tree: Any, method: str, stack_sharding: Any = None,
   Returns:
     ``tree`` with each `Damped` leaf replaced by an array of its matrix's shape.
   """
+  method = resolve_inverse(method)
   is_damped = lambda x: isinstance(x, (Damped, DampedDiagonal, DampedLag))
   leaves, treedef = jax.tree.flatten(tree, is_leaf=is_damped)
   results = [_diagonal_power(leaf, power) if isinstance(leaf, DampedDiagonal)
              else leaf for leaf in leaves]
   _decompose_lags(leaves, results, stack_sharding, power)
   requests = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, Damped)}
+  warm = method == "newton_schulz" and power == -1 and previous is not None
+  starts = treedef.flatten_up_to(previous) if warm else None
   buckets = bucket_sizes(leaf.matrix.shape[-1] for leaf in requests.values())
   for bucket in sorted(set(buckets.values())):
     members = [i for i, leaf in requests.items()
                if buckets[leaf.matrix.shape[-1]] == bucket]
-    matrices, dampings = [], []
+    matrices, dampings, previous_stack = [], [], []
     for i in members:
-      matrix = at_least_float32(requests[i].matrix)
-      size = matrix.shape[-1]
-      matrix = matrix.reshape(-1, size, size)
-      if size < bucket:
-        padded = jnp.pad(matrix, ((0, 0), (0, bucket - size), (0, bucket - size)))
-        matrix = padded + jnp.diag(jnp.arange(bucket) >= size).astype(matrix.dtype)
-      matrices.append(matrix)
-      dampings.append(jnp.broadcast_to(requests[i].damping, requests[i].matrix.shape[:-2])
-                      .reshape(-1).astype(matrix.dtype))
+      dtype = at_least_float32(requests[i].matrix).dtype
+      damping = (jnp.broadcast_to(requests[i].damping, requests[i].matrix.shape[:-2])
+                 .reshape(-1).astype(dtype))
+      dampings.append(damping)
+      # The padding block of M is I, of its damped inverse I / (1 + δ).
+      matrices.append(_padded(requests[i].matrix, bucket, jnp.ones_like(damping)))
+      if warm:
+        previous_stack.append(_padded(starts[i], bucket, 1 / (1 + damping)))
     stack, damping = jnp.concatenate(matrices), jnp.concatenate(dampings)
-    each = lambda m, d: damped_power(m, d, power, method)
-    inverted = _distributed(each, (stack, damping), stack_sharding)
+    if method == "newton_schulz" and power == -1:
+      inverted = _newton_schulz_stack(
+          stack, damping, jnp.concatenate(previous_stack) if warm else None,
+          stack_sharding)
+    else:
+      each = lambda m, d: damped_power(m, d, power, method)
+      inverted = _distributed(each, (stack, damping), stack_sharding)
     offset = 0
     for i in members:
       shape = requests[i].matrix.shape
@@ -257,6 +395,41 @@ def invert_all(tree: Any, method: str, stack_sharding: Any = None,
       results[i] = inverted[offset:offset + num, :size, :size].reshape(shape)
       offset += num
   return treedef.unflatten(results)
+
+
+def _padded(matrices: jax.Array, size: int, fill: jax.Array) -> jax.Array:
+  """``(..., d, d)`` matrices as a ``(n, size, size)`` stack in at least
+  float32, each padded with ``fill`` (n,) times the identity."""
+  matrices = at_least_float32(matrices)
+  d = matrices.shape[-1]
+  matrices = matrices.reshape(-1, d, d)
+  if d == size:
+    return matrices
+  padded = jnp.pad(matrices, ((0, 0), (0, size - d), (0, size - d)))
+  return padded + fill[:, None, None] * jnp.diag(jnp.arange(size) >= d).astype(
+      matrices.dtype)
+
+
+def _newton_schulz_stack(stack: jax.Array, damping: jax.Array,
+                         previous: jax.Array | None, stack_sharding: Any) -> jax.Array:
+  """`newton_schulz_inverse` of every matrix of a stack (warm-started from
+  ``previous`` if given), Cholesky for those whose residual stays above
+  ``NEWTON_SCHULZ_ACCEPTED``: computed only when some matrix needs it."""
+  if previous is None:
+    each = lambda m, d: newton_schulz_inverse(m, d)[:2]
+    inverses, residuals = _distributed(each, (stack, damping), stack_sharding)
+  else:
+    each = lambda m, d, p: newton_schulz_inverse(m, d, p)[:2]
+    inverses, residuals = _distributed(each, (stack, damping, previous),
+                                       stack_sharding)
+  # Padding entries of a sharded stack come back as zeros: accepted, dropped.
+  accepted = (residuals <= NEWTON_SCHULZ_ACCEPTED)[:, None, None]
+
+  def with_cholesky():
+    cholesky = _distributed(lambda m, d: damped_inverse(m, d, "cholesky"),
+                            (stack, damping), stack_sharding)
+    return jnp.where(accepted, inverses, cholesky)
+  return jax.lax.cond(jnp.all(accepted), lambda: inverses, with_cholesky)
 
 
 def _diagonal_power(diagonal: DampedDiagonal, power: float) -> jax.Array:

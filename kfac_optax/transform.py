@@ -120,13 +120,14 @@ def scale_by_kfac(
     inverse_update_period: int = 5,
     stats_update_period: int = 1,
     estimation: str = "fisher",
-    inverse: str = "eigh",
+    inverse: str = "auto",
     num_samples: int = 1,
     apply_kwargs: dict[str, Any] | None = None,
     layer_overrides: dict[str, str] | None = None,
     tied_embeddings: dict[str, str] | None = None,
     mesh: jax.sharding.Mesh | None = None,
     max_factor_dim: int | str | None = "auto",
+    curvature_batch_size: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Preconditions gradients with K-FAC's damped Kronecker-factored Fisher.
 
@@ -188,7 +189,15 @@ def scale_by_kfac(
       targets), ``"exact"`` (one backward pass per output dimension),
       ``"curvature_prop"`` (random-sign combinations of the exact ones,
       needs ``rng``).
-    inverse: ``"eigh"`` or ``"cholesky"``.
+    inverse: how the refresh inverts the damped factors: ``"eigh"``,
+      ``"cholesky"`` (LAPACK; on CPU through SciPy's OpenBLAS, whose threads
+      contend with XLA's on a busy machine), ``"newton_schulz"`` (matrix
+      products only, started from the previous inverse, Cholesky where it
+      stays inaccurate; `linalg.newton_schulz_inverse`), or ``"auto"``
+      (default): ``"newton_schulz"`` on CPU, where it was measured fastest
+      in a training step, ``"eigh"`` on other backends
+      (`linalg.resolve_inverse`). See benchmarks/RESULTS.md, "The inverse
+      refresh on a busy CPU".
     num_samples: draws per example for ``"fisher"`` and ``"curvature_prop"``,
       a positive int.
     apply_kwargs: constant keyword arguments for ``apply_fn`` (e.g.
@@ -225,6 +234,14 @@ def scale_by_kfac(
       at 2048, 3.6 s at 4096, 12 s at 6144, 28 s at 8192; cholesky 4 to 5
       times faster; `benchmarks/factor_inverse.py`). Embeddings keep their full
       output factor. ``layer_overrides`` choices ``"kron*"`` take precedence.
+    curvature_batch_size: statistics from the first n examples of the batch
+      (every leaf of the batch sliced on its leading axis; the capture's
+      forward and sampled backward pass run on them only): a positive
+      Python int at most the batch size, or None (the whole batch). The
+      gradient is the caller's, from the whole batch. Martens & Grosse
+      (2015) estimate the statistics on a subset of the mini-batch; the
+      step costs less, the factors are noisier (the EMA averages over
+      steps). See benchmarks/RESULTS.md, "Statistics from a sub-batch".
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes
@@ -341,13 +358,14 @@ def kfac(
     inverse_update_period: int = 5,
     stats_update_period: int = 1,
     estimation: str = "fisher",
-    inverse: str = "eigh",
+    inverse: str = "auto",
     num_samples: int = 1,
     apply_kwargs: dict[str, Any] | None = None,
     layer_overrides: dict[str, str] | None = None,
     tied_embeddings: dict[str, str] | None = None,
     mesh: jax.sharding.Mesh | None = None,
     max_factor_dim: int | str | None = "auto",
+    curvature_batch_size: int | None = None,
     norm_constraint: float | str | None = "auto",
     adaptive_damping: bool | None = None,
     damping_adaptation_interval: int = 5,
@@ -406,9 +424,13 @@ def kfac(
       ``"auto"``: None without a learning rate, else 0.9.
     inputs, outputs, damping, ema_decay, inverse_update_period,
     stats_update_period, estimation, inverse, num_samples, apply_kwargs,
-    layer_overrides, tied_embeddings, mesh, max_factor_dim:
+    layer_overrides, tied_embeddings, mesh, max_factor_dim,
+    curvature_batch_size:
       see `scale_by_kfac`. With ``adaptive_damping``, ``damping`` is the
-      initial λ.
+      initial λ. ``curvature_batch_size`` applies to the factors only: the
+      quadratic model's exact Fisher products, and the losses that
+      adaptive damping compares, use the whole batch like the gradient
+      (they size the step, so they see the data the step is taken on).
     norm_constraint: c, None, or ``"auto"``: 1e-3 with a given learning
       rate, None without (the quadratic model already sizes the step).
     adaptive_damping: adapt λ by the Levenberg-Marquardt rule; None: when
@@ -429,7 +451,8 @@ def kfac(
     An ``optax.GradientTransformationExtraArgs``; ``update`` needs
     ``batch=`` (and ``rng=`` for random estimation modes). Arguments are
     spelled out so that ``optax.inject_hyperparams(kfac, static_args=
-    ("apply_fn", "num_samples"))`` can inject the numeric ones.
+    ("apply_fn", "num_samples"))`` can inject the numeric ones (list
+    ``curvature_batch_size`` there too when it is given).
 
   Raises:
     ValueError: for a setting outside its range (a schedule: at count 0).

@@ -31,7 +31,7 @@ def _psd(key, shape):
   return jnp.einsum("...ik,...jk->...ij", x, x) / shape[-1]
 
 
-@pytest.mark.parametrize("method", ["eigh", "cholesky"])
+@pytest.mark.parametrize("method", ["eigh", "cholesky", "newton_schulz"])
 @pytest.mark.parametrize("distributed", [False, True])
 def test_invert_all_matches_explicit_inverses(method, distributed):
   keys = jax.random.split(jax.random.key(0), 4)

@@ -31,7 +31,7 @@ def random_grads(params, seed):
 
 
 @pytest.mark.parametrize("estimation", ["empirical", "exact"])
-@pytest.mark.parametrize("inverse", ["eigh", "cholesky"])
+@pytest.mark.parametrize("inverse", ["eigh", "cholesky", "newton_schulz"])
 def test_matches_brute_force_after_one_and_two_updates(estimation, inverse):
   tx, params = make_tx(estimation=estimation, inverse=inverse)
   _, batch1 = bf.tiny_problem(seed=1)
