@@ -19,6 +19,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import kfac_optax
 from kfac_optax import nnx_capture
 from tests import brute_force as bf
+from tests.nnx_twins import twin_of
 
 DAMPING = 1e-2
 VOCAB, WIDTH, LENGTH = 11, 8, 5
@@ -27,18 +28,6 @@ VOCAB, WIDTH, LENGTH = 11, 8, 5
 def copy_params(model: nnx.Module, linen_params) -> nnx.Module:
   """``model`` with the linen twin's params (same paths)."""
   nnx.update(model, nnx.State(jax.tree.map(jnp.asarray, linen_params)))
-  return model
-
-
-def twin_of(make, linen_variables) -> nnx.Module:
-  """The NNX model ``make(rngs)`` holding the linen twin's variables (its
-  params and, by the same names, BatchNorm statistics): built abstractly,
-  so no initializer runs."""
-  model = nnx.eval_shape(lambda: make(nnx.Rngs(0)))
-  state = {}
-  for collection in linen_variables.values():
-    state = nnx.merge_state(state, jax.tree.map(jnp.asarray, dict(collection)))
-  nnx.update(model, nnx.State(state))
   return model
 
 
