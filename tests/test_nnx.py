@@ -190,10 +190,9 @@ def by_path(tree):
 ESTIMATIONS = ("fisher", "empirical", "exact", "curvature_prop")
 
 
-# Every estimation mode on the tiny twin; the others (compile time) "fisher".
 @pytest.mark.parametrize("twins, estimation", [
-    *[("tiny", estimation) for estimation in ESTIMATIONS],
-    ("lm", "fisher"), ("cnn", "fisher")], indirect=["twins"])
+    (case, estimation) for case in CASES for estimation in ESTIMATIONS],
+    indirect=["twins"])
 def test_nnx_model_gives_its_linen_twins_factors_and_updates(twins, estimation):
   _, linen, model, variables, batch, options = twins
   others = {k: v for k, v in variables.items() if k != "params"}
