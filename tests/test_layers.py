@@ -180,20 +180,37 @@ class BranchNet(nn.Module):
     return nn.Dense(CLASSES, name="head")(jnp.concatenate(hidden, axis=-1))
 
 
-class NNXConvBranchNet(nnx.Module):
-  """`BranchNet` of convolutions in NNX (the head's input width given)."""
+def nnx_layer(b: Branch, rngs: nnx.Rngs) -> nnx.Module:
+  """The NNX twin of branch ``b``'s layer (axes sorted, as flax's linen sorts
+  them)."""
+  kwargs = dict(b.kwargs)
+  features = kwargs.pop("features")
+  shape = np.moveaxis(np.empty(b.x_shape), 0, b.lead).shape  # as the layer sees it
+  if b.kind == "conv":
+    return nnx.Conv(shape[-1], features, rngs=rngs, **kwargs)
+  ndim = len(shape)
+  axis = kwargs.pop("axis", -1)
+  axis = sorted(a % ndim for a in (axis if isinstance(axis, tuple) else (axis,)))
+  batch_dims = sorted(kwargs.pop("batch_dims", ()))
+  return nnx.LinearGeneral(tuple(shape[a] for a in axis), features, axis=tuple(axis),
+                           batch_axis={d: shape[d] for d in batch_dims},
+                           rngs=rngs, **kwargs)
+
+
+class NNXBranchNet(nnx.Module):
+  """`BranchNet` in NNX (the head's input width given)."""
 
   def __init__(self, branches, head_features, rngs):
     self.branches = branches
     for b in branches:
-      kwargs = dict(b.kwargs)
-      setattr(self, b.name, nnx.Conv(b.x_shape[-1], kwargs.pop("features"),
-                                     rngs=rngs, **kwargs))
+      setattr(self, b.name, nnx_layer(b, rngs))
     self.head = nnx.Linear(head_features, CLASSES, rngs=rngs)
 
   def __call__(self, xs):
-    hidden = [jnp.tanh(getattr(self, b.name)(xs[b.name])).reshape(BATCH, -1)
-              for b in self.branches]
+    hidden = []
+    for b in self.branches:
+      s = getattr(self, b.name)(jnp.moveaxis(xs[b.name], 0, b.lead))
+      hidden.append(jnp.tanh(jnp.moveaxis(s, b.lead, 0)).reshape(BATCH, -1))
     return self.head(jnp.concatenate(hidden, axis=-1))
 
 
@@ -262,7 +279,7 @@ class Family(NamedTuple):
 @functools.lru_cache(maxsize=None)
 def run_family(branches: tuple, api: str = "linen") -> Family:
   """One K-FAC update and the reference arrays for a tuple of branches, the
-  model written in ``api`` (NNX: convolutions only)."""
+  model written in ``api``."""
   model = BranchNet(branches)
   rng = np.random.default_rng(len(branches))
   xs = {b.name: jnp.asarray(rng.normal(size=b.x_shape), jnp.float32)
@@ -270,7 +287,7 @@ def run_family(branches: tuple, api: str = "linen") -> Family:
   y = labels(1)
   params = random_params(model, xs, seed=2)
   grads = random_tree(params, seed=3)
-  twin = model_for(api, model, lambda rngs: NNXConvBranchNet(
+  twin = model_for(api, model, lambda rngs: NNXBranchNet(
       branches, params["head"]["kernel"].shape[0], rngs), params)
   updates, state = kfac_step(twin, params, (xs, y), grads)
   forward_error, reference = branch_reference(branches, params, xs, y)
@@ -449,8 +466,8 @@ DENSE_GENERAL_CASES = {b.name: b for family in DENSE_GENERAL_FAMILIES
                        for b in family if not b.name.startswith("unsorted")}
 
 
-def check_dense_general(branches, b):
-  family = run_family(branches)
+def check_dense_general(branches, b, api="linen"):
+  family = run_family(branches, api)
   ref, params, grads = family.reference, family.params[b.name], family.grads[b.name]
   kernel = f64(params["kernel"])
   kwargs = dict(b.kwargs)
@@ -484,15 +501,17 @@ def check_dense_general(branches, b):
   assert set(family.state.factors) == {c.name for c in branches} | {"head"}
 
 
+@pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("case", list(DENSE_GENERAL_CASES))
-def test_dense_general_matches_brute_force(case):
-  check_dense_general(DENSE_GENERAL_FAMILY[case], DENSE_GENERAL_CASES[case])
+def test_dense_general_matches_brute_force(case, api):
+  check_dense_general(DENSE_GENERAL_FAMILY[case], DENSE_GENERAL_CASES[case], api)
 
 
+@pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("family", [0, 1], ids=["plain", "batch_dims"])
-def test_dense_general_family_head_matches_brute_force(family):
+def test_dense_general_family_head_matches_brute_force(family, api):
   branches = DENSE_GENERAL_FAMILIES[family]
-  check_head(run_family(branches), branches)
+  check_head(run_family(branches, api), branches)
 
 
 def test_dense_general_axes_in_any_order():
