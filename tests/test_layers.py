@@ -11,7 +11,9 @@ row matrices in numpy and the damped solve uses np.kron (tests/brute_force.py).
 
 To keep compile time down, the layers of one family (all convolutions; all
 DenseGeneral configurations) are parallel branches of one model, so one
-jitted K-FAC update serves every test case of the family.
+jitted K-FAC update serves every test case of the family. The Conv,
+DenseGeneral, Embed and attention tests also run K-FAC on the Flax NNX twin
+of their model (`tests/nnx_twins.py`) against the same reference.
 """
 
 import dataclasses
@@ -674,6 +676,19 @@ class AttentionNet(nn.Module):
     return nn.Dense(CLASSES, name="head")(jnp.tanh(h).mean(axis=1))
 
 
+class NNXAttentionNet(nnx.Module):
+  """`AttentionNet` in NNX."""
+
+  def __init__(self, rngs):
+    self.attn = nnx.MultiHeadAttention(
+        HEADS, WIDTH, qkv_features=HEADS * HEAD_DIM, out_features=WIDTH,
+        decode=False, rngs=rngs)
+    self.head = nnx.Linear(WIDTH, CLASSES, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(jnp.tanh(self.attn(x)).mean(axis=1))
+
+
 def attention_forward(params, x, perturbations):
   """Self-attention written out; perturbations on q, k, v, out and logits."""
   p = params["attn"]
@@ -690,13 +705,15 @@ def attention_forward(params, x, perturbations):
   return logits + perturbations["head"], {"mixed": mixed, "pooled": pooled}
 
 
-def test_attention_projections_are_found_and_match_brute_force():
+@pytest.mark.parametrize("api", APIS)
+def test_attention_projections_are_found_and_match_brute_force(api):
   n, t = BATCH, 4
   x = jnp.asarray(np.random.default_rng(0).normal(size=(n, t, WIDTH)), jnp.float32)
   y = labels(1)
   params = random_params(AttentionNet(), x, seed=2)
   grads = random_tree(params, seed=3)
-  out, state = kfac_step(AttentionNet().apply, params, (x, y), grads)
+  out, state = kfac_step(model_for(api, AttentionNet(), NNXAttentionNet, params),
+                         params, (x, y), grads)
 
   assert set(state.factors) == {f"attn/{name}" for name in PROJECTIONS} | {"head"}
   assert set(state.inverses) == set(state.factors)

@@ -1,9 +1,10 @@
 """Flax NNX models: the same blocks and numbers as their linen twins.
 
 Each NNX model here has a linen twin with the same module paths and, copied
-over, the same weights; the linen path is tested against brute force
-elsewhere, so equal factors and updates carry that proof over. A tiny NNX
-MLP is also checked directly against the explicit float64 reference of
+over, the same weights, and gives its twin's factors and updates in every
+estimation mode. The brute-force tests of the layers, norms, masks and
+shared modules run on NNX twins themselves (`tests/nnx_twins.py`); a tiny
+NNX MLP is also checked here against the explicit float64 reference of
 `tests/brute_force.py`.
 """
 
