@@ -6,17 +6,21 @@ by a 3x3 max-pool of stride 2 (SAME), then one linear layer to the classes,
 trained on the softmax cross-entropy. K-FAC gives each convolution a KFC
 block (input patches ⊗ output gradients) and the linear layer a K-FAC block.
 
-As in `mlp_classifier.py` (whose data, train-step, evaluation and plot
+As in `mlp_classifier.py` (whose data, training, evaluation and plot
 helpers this script reuses), both optimizers start from the same parameters
 and see the same mini-batches in the same order; K-FAC also gets a fresh
-random key per step to sample targets for its Fisher estimate. The script
-prints the final loss and accuracy on the train and test sets, the time per
-step of each optimizer, and saves both training-loss curves to a PNG.
+random key per step to sample targets for its Fisher estimate. The model is
+Flax linen (``--api linen``, the default) or the same network as an
+``nnx.Module`` trained through ``nnx.Optimizer`` under ``nnx.jit``
+(``--api nnx``). The script prints the final loss and accuracy on the train
+and test sets, the time per step of each optimizer, and saves both
+training-loss curves to a PNG.
 
 From the repository root::
 
-  python examples/convnet.py            # full run (about 3 minutes on 2 CPU cores)
-  python examples/convnet.py --quick    # smoke test (about 30 s)
+  python examples/convnet.py              # full run (about 3 minutes on 2 CPU cores)
+  python examples/convnet.py --api nnx    # the same in Flax NNX
+  python examples/convnet.py --quick      # smoke test (about 30 s)
 """
 
 import argparse
@@ -24,6 +28,7 @@ import math
 import os
 import time
 
+from flax import nnx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -69,6 +74,28 @@ class ConvNet(nn.Module):
     return nn.Dense(self.num_classes)(x.reshape(x.shape[0], -1))
 
 
+class NnxConvNet(nnx.Module):
+  """`ConvNet` as an ``nnx.Module`` for ``(N, height, width, 1)`` images."""
+
+  def __init__(self, height: int, width: int, num_classes: int = 10,
+               features: int = 16, activation: str = "relu", *,
+               rngs: nnx.Rngs):
+    self.convs = nnx.List([nnx.Conv(1, features, (5, 5), padding="SAME",
+                                    rngs=rngs),
+                           nnx.Conv(features, features, (5, 5), padding="SAME",
+                                    rngs=rngs)])
+    # Each SAME pool of stride 2 halves a side, rounding up.
+    flat = -(-height // 4) * -(-width // 4) * features
+    self.dense = nnx.Linear(flat, num_classes, rngs=rngs)
+    self.activation = activation
+
+  def __call__(self, x):
+    act = ACTIVATIONS[self.activation]
+    for conv in self.convs:
+      x = nnx.max_pool(act(conv(x)), (3, 3), strides=(2, 2), padding="SAME")
+    return self.dense(x.reshape(x.shape[0], -1))
+
+
 def as_images(x):
   """Flattened square grey-scale images ``(N, s*s)`` -> ``(N, s, s, 1)``."""
   side = math.isqrt(x.shape[1])
@@ -82,6 +109,7 @@ def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--dataset", default="auto",
                       choices=["auto", "fashion_mnist", "digits"])
+  mlp_classifier.add_api_flag(parser)
   parser.add_argument("--steps", type=int, default=None,
                       help=f"training steps per optimizer (default "
                       f"{DEFAULT_STEPS}, {QUICK_STEPS} with --quick)")
@@ -122,10 +150,11 @@ def parse_args(argv=None):
 
 
 def make_optimizers(model, loss, example_batch, args):
-  """``{"K-FAC": ..., "Adam": ...}`` configured from the flags."""
+  """``{"K-FAC": ..., "Adam": ...}`` configured from the flags; ``model`` as
+  `kfac_optax.kfac` takes it (a linen apply function or an ``nnx.Module``)."""
   return {
       "K-FAC": kfac_optax.kfac(
-          model.apply, loss, example_batch=example_batch,
+          model, loss, example_batch=example_batch,
           learning_rate=args.kfac_lr, momentum=args.kfac_momentum,
           damping=args.kfac_damping,
           inverse_update_period=args.kfac_inverse_period,
@@ -148,20 +177,20 @@ def timed(step_fn, seconds):
   return step
 
 
-def _train_and_evaluate(name, tx, model, params, step_fn, evaluate, order,
-                        seed, data):
-  """Trains one optimizer from ``params``; returns (metrics, loss curve)."""
+def _train_and_evaluate(name, tx, trainer, evaluate, order, seed, data):
+  """Trains one optimizer from the `mlp_classifier.Trainer`'s initial
+  weights; returns (metrics, loss curve)."""
   x_train, y_train, x_test, y_test = data
-  state = kfac_optax.TrainState.create(apply_fn=model.apply, params=params,
-                                       tx=tx)
-  state = jax.tree.map(jnp.copy, state)  # the step donates its input state
+  state = trainer.start(tx)
   step_seconds = []
   start = time.perf_counter()
   state, curve = mlp_classifier.train(
-      name, state, timed(step_fn, step_seconds), x_train, y_train, order, seed)
+      name, state, timed(trainer.step, step_seconds), x_train, y_train, order,
+      seed)
   seconds = time.perf_counter() - start
-  train_loss, train_accuracy = evaluate(state.params, x_train, y_train)
-  test_loss, test_accuracy = evaluate(state.params, x_test, y_test)
+  params = trainer.params_of(state)
+  train_loss, train_accuracy = evaluate(params, x_train, y_train)
+  test_loss, test_accuracy = evaluate(params, x_test, y_test)
   after_first = step_seconds[1:] or step_seconds
   return {
       "train_loss": train_loss, "train_accuracy": train_accuracy,
@@ -199,15 +228,20 @@ def main(argv=None):
         f"{'x'.join(map(str, x_train.shape[1:]))}; {args.steps} steps of batch "
         f"{args.batch_size}")
 
-  model = ConvNet(num_classes=num_classes, activation=args.activation)
   loss = kfac_optax.losses.softmax_cross_entropy()
   example_batch = (x_train[:args.batch_size], y_train[:args.batch_size])
-  params = model.init(jax.random.key(args.seed), example_batch[0])["params"]
-  optimizers = make_optimizers(model, loss, example_batch, args)
+  if args.api == "linen":
+    model = ConvNet(num_classes=num_classes, activation=args.activation)
+    trainer = mlp_classifier.linen_trainer(model, loss, example_batch[0],
+                                           args.seed)
+  else:
+    trainer = mlp_classifier.nnx_trainer(
+        NnxConvNet(*x_train.shape[1:3], num_classes=num_classes,
+                   activation=args.activation, rngs=nnx.Rngs(args.seed)), loss)
+  optimizers = make_optimizers(trainer.model, loss, example_batch, args)
   order = mlp_classifier.batch_order(len(x_train), args.batch_size,
                                      args.steps, args.seed)
-  step_fn = mlp_classifier.make_train_step(loss)
-  evaluate = mlp_classifier.make_evaluate(model.apply, loss)
+  evaluate = mlp_classifier.make_evaluate(trainer.logits, loss)
 
   results, curves = {}, {}
   # One OpenBLAS thread for the LAPACK calls of K-FAC's inverses: with
@@ -216,7 +250,7 @@ def main(argv=None):
   with single_threaded_lapack():
     for name, tx in optimizers.items():
       results[name.lower().replace("-", "")], curves[name] = _train_and_evaluate(
-          name, tx, model, params, step_fn, evaluate, order, args.seed,
+          name, tx, trainer, evaluate, order, args.seed,
           (x_train, y_train, x_test, y_test))
 
   print(f"\nFinal metrics after {args.steps} steps ({description}):")
@@ -230,7 +264,8 @@ def main(argv=None):
   print("ms/step: mean wall time of the steps after the first (K-FAC's "
         "inverse refreshes included), median: their median; 1st step: "
         "compilation included")
-  mlp_classifier.save_plot(args.plot, curves, f"ConvNet on {description}")
+  mlp_classifier.save_plot(args.plot, curves,
+                           f"ConvNet ({args.api}) on {description}")
   print(f"loss curves saved to {args.plot}")
   return results
 

@@ -2,20 +2,29 @@
 
 Both optimizers start from the same parameters and see the same mini-batches
 in the same order; K-FAC additionally gets a fresh random key per step, which
-it uses to sample targets from the model for its Fisher estimate. At the end
-the script prints loss and accuracy on the full train and test sets and saves
-the two training-loss curves to a PNG.
+it uses to sample targets from the model for its Fisher estimate. The script
+prints K-FAC's block per layer, then loss and accuracy on the full train and
+test sets, and saves the two training-loss curves to a PNG.
+
+The model is written with Flax linen (``--api linen``, the default:
+`kfac_optax.TrainState` under ``jax.jit``) or Flax NNX (``--api nnx``: the
+same layers as an ``nnx.Module``, trained by the loop the NNX guides teach,
+``nnx.Optimizer(model, tx, wrt=nnx.Param)`` updated under ``nnx.jit``; K-FAC
+takes the module itself where linen passes ``model.apply``).
 
 From the repository root::
 
-  python examples/mlp_classifier.py            # full run (about 30 s on 2 CPU cores)
-  python examples/mlp_classifier.py --quick    # smoke test (seconds)
+  python examples/mlp_classifier.py              # full run (about 30 s on 2 CPU cores)
+  python examples/mlp_classifier.py --api nnx    # the same in Flax NNX
+  python examples/mlp_classifier.py --quick      # smoke test (seconds)
 """
 
 import argparse
 import os
 import time
+from typing import Any, Callable, NamedTuple
 
+from flax import nnx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -52,11 +61,90 @@ class MLP(nn.Module):
     return dense(self.num_classes)(x)
 
 
+class NnxMLP(nnx.Module):
+  """`MLP` as an ``nnx.Module``: the same layers, widths and initializers."""
+
+  def __init__(self, num_features: int, num_classes: int = 10,
+               hidden: tuple[int, ...] = (256, 128), *, rngs: nnx.Rngs):
+    widths = (num_features, *hidden)
+    self.hidden = nnx.List([nnx.Linear(a, b, rngs=rngs)
+                            for a, b in zip(widths[:-1], widths[1:])])
+    self.head = nnx.Linear(widths[-1], num_classes, rngs=rngs)
+
+  def __call__(self, x):
+    for layer in self.hidden:
+      x = jnp.tanh(layer(x))
+    return self.head(x)
+
+
+class Trainer(NamedTuple):
+  """How one Flax API trains and evaluates a model from its initial weights.
+
+  Attributes:
+    model: the model as `kfac_optax.kfac` takes it: a linen apply function
+      or the ``nnx.Module``.
+    params: the initial params (for `kfac_optax.describe`).
+    start: ``tx -> state``, a fresh training state from the initial weights.
+    step: ``(state, batch, rng) -> (state, loss)``, one compiled step that
+      passes ``batch`` and ``rng`` to ``tx.update`` (Adam ignores them).
+    params_of: ``state -> params``.
+    logits: ``(params, x) -> logits``, traceable.
+  """
+  model: Any
+  params: Any
+  start: Callable[[optax.GradientTransformation], Any]
+  step: Callable[[Any, Any, jax.Array], tuple[Any, jax.Array]]
+  params_of: Callable[[Any], Any]
+  logits: Callable[[Any, jax.Array], jax.Array]
+
+
+def linen_trainer(model, loss, example_inputs, seed):
+  """A `Trainer` of a linen model, initialized from ``seed``:
+  `kfac_optax.TrainState` under ``jax.jit``."""
+  params = model.init(jax.random.key(seed), example_inputs)["params"]
+
+  def start(tx):
+    state = kfac_optax.TrainState.create(apply_fn=model.apply, params=params,
+                                         tx=tx)
+    # The step donates (and so invalidates) the buffers of the state it is
+    # given: copying keeps the shared initial `params` alive for the next
+    # optimizer.
+    return jax.tree.map(jnp.copy, state)
+  return Trainer(model.apply, params, start, make_train_step(loss),
+                 lambda state: state.params,
+                 lambda params, x: model.apply({"params": params}, x))
+
+
+def nnx_trainer(model, loss):
+  """A `Trainer` of an NNX model (params only): ``nnx.Optimizer`` under
+  ``nnx.jit``; each optimizer trains its own copy of ``model``."""
+  graphdef, params = nnx.split(model)
+  params = nnx.as_pure(params)  # arrays: each `merge` makes new Variables
+
+  @nnx.jit
+  def update(model, optimizer, batch, rng):
+    def batch_loss(model):
+      return loss.value(model(batch[0]), batch)
+    value, grads = nnx.value_and_grad(batch_loss)(model)
+    optimizer.update(model, grads, batch=batch, rng=rng)
+    return value
+
+  def start(tx):
+    copy = nnx.merge(graphdef, params)
+    return copy, nnx.Optimizer(copy, tx, wrt=nnx.Param)
+
+  def step(state, batch, rng):
+    return state, update(*state, batch, rng)  # updates the state in place
+  return Trainer(model, params, start, step, lambda state: nnx.state(state[0]),
+                 lambda params, x: nnx.merge(graphdef, params)(x))
+
+
 def parse_args(argv=None):
   """Command-line flags; ``argv=None`` reads ``sys.argv``."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--dataset", default="auto",
                       choices=["auto", "fashion_mnist", "digits"])
+  add_api_flag(parser)
   parser.add_argument("--steps", type=int, default=None,
                       help=f"training steps per optimizer (default 1000, "
                       f"{QUICK_STEPS} with --quick)")
@@ -81,6 +169,13 @@ def parse_args(argv=None):
   if args.steps is None:
     args.steps = QUICK_STEPS if args.quick else 1000
   return args
+
+
+def add_api_flag(parser):
+  """``--api {linen,nnx}``: the Flax API the model is written in."""
+  parser.add_argument("--api", default="linen", choices=["linen", "nnx"],
+                      help="Flax API of the model: linen (TrainState, jax.jit) "
+                      "or nnx (nnx.Optimizer, nnx.jit)")
 
 
 def batch_order(num_examples, batch_size, steps, seed):
@@ -110,11 +205,12 @@ def make_train_step(loss):
   return jax.jit(step, donate_argnums=0)
 
 
-def make_evaluate(apply_fn, loss):
-  """``(params, x, y) -> (mean loss, accuracy)`` over a whole data set."""
+def make_evaluate(logits_fn, loss):
+  """``(params, x, y) -> (mean loss, accuracy)`` over a whole data set, with
+  ``logits_fn(params, x)`` the model's logits."""
   @jax.jit
   def chunk_sums(params, x, y):
-    logits = apply_fn({"params": params}, x)
+    logits = logits_fn(params, x)
     return (jnp.sum(loss.nll(logits, y)),
             jnp.sum(jnp.argmax(logits, axis=-1) == y))
 
@@ -193,35 +289,35 @@ def main(argv=None):
         f"{x_train.shape[1]} features; {args.steps} steps of batch "
         f"{args.batch_size}")
 
-  model = MLP(num_classes=num_classes)
   loss = kfac_optax.losses.softmax_cross_entropy()
   example_batch = (x_train[:args.batch_size], y_train[:args.batch_size])
-  params = model.init(jax.random.key(args.seed), example_batch[0])["params"]
+  if args.api == "linen":
+    model = MLP(num_classes=num_classes)
+    trainer = linen_trainer(model, loss, example_batch[0], args.seed)
+  else:
+    trainer = nnx_trainer(
+        NnxMLP(x_train.shape[1], num_classes, rngs=nnx.Rngs(args.seed)), loss)
   optimizers = {
       "K-FAC": kfac_optax.kfac(
-          model.apply, loss, example_batch=example_batch,
+          trainer.model, loss, example_batch=example_batch,
           learning_rate=args.kfac_lr, momentum=args.kfac_momentum,
           damping=args.kfac_damping),
       "Adam": optax.adam(args.adam_lr),
   }
+  print(kfac_optax.describe(optimizers["K-FAC"], trainer.params))
   order = batch_order(len(x_train), args.batch_size, args.steps, args.seed)
-  step_fn = make_train_step(loss)
-  evaluate = make_evaluate(model.apply, loss)
+  evaluate = make_evaluate(trainer.logits, loss)
 
   results, curves = {}, {}
   for name, tx in optimizers.items():
-    state = kfac_optax.TrainState.create(
-        apply_fn=model.apply, params=params, tx=tx)
-    # The step donates (and so invalidates) the buffers of the state it is
-    # given: copying keeps the shared initial `params` alive for the next
-    # optimizer.
-    state = jax.tree.map(jnp.copy, state)
+    state = trainer.start(tx)
     start = time.perf_counter()
-    state, curves[name] = train(name, state, step_fn, x_train, y_train, order,
-                                args.seed)
+    state, curves[name] = train(name, state, trainer.step, x_train, y_train,
+                                order, args.seed)
     seconds = time.perf_counter() - start
-    train_loss, train_accuracy = evaluate(state.params, x_train, y_train)
-    test_loss, test_accuracy = evaluate(state.params, x_test, y_test)
+    params = trainer.params_of(state)
+    train_loss, train_accuracy = evaluate(params, x_train, y_train)
+    test_loss, test_accuracy = evaluate(params, x_test, y_test)
     tail = max(1, len(curves[name]) // 10)
     results[name.lower().replace("-", "")] = {
         "train_loss": train_loss, "train_accuracy": train_accuracy,
@@ -237,7 +333,7 @@ def main(argv=None):
     print(f"{name:>6} {m['train_loss']:10.4f} {m['train_accuracy']:9.2%} "
           f"{m['test_loss']:9.4f} {m['test_accuracy']:8.2%} "
           f"{m['seconds']:6.1f}s")
-  save_plot(args.plot, curves, f"MLP on {description}")
+  save_plot(args.plot, curves, f"MLP ({args.api}) on {description}")
   print(f"loss curves saved to {args.plot}")
   return results
 

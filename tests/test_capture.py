@@ -6,6 +6,7 @@ respect to those perturbations gives every row's output gradient, and the
 factors are formed from explicit row matrices.
 """
 
+from flax import nnx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ import kfac_optax
 from kfac_optax import capture
 from kfac_optax import layouts
 from tests import brute_force as bf
+from tests.nnx_twins import APIS, model_for
 
 
 class Inner(nn.Module):
@@ -39,6 +41,29 @@ class SequenceNet(nn.Module):
     h = jnp.tanh(h).mean(axis=1)
     temperature = self.param("temperature", nn.initializers.ones, (4,))
     return nn.Dense(4, use_bias=False, name="head")(h) * temperature
+
+
+class NNXInner(nnx.Module):
+
+  def __init__(self, rngs):
+    self.proj = nnx.Linear(2, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return jnp.tanh(self.proj(x))
+
+
+class NNXSequenceNet(nnx.Module):
+  """`SequenceNet` in NNX."""
+
+  def __init__(self, rngs):
+    self.inner = NNXInner(rngs)
+    self.shared = nnx.Linear(3, 3, rngs=rngs)
+    self.temperature = nnx.Param(jnp.ones((4,)))
+    self.head = nnx.Linear(3, 4, use_bias=False, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.shared(jnp.tanh(self.shared(self.inner(x))))
+    return self.head(jnp.tanh(h).mean(axis=1)) * self.temperature
 
 
 def explicit_forward(params, x, perturbations):
@@ -95,11 +120,13 @@ def test_discovery_finds_nested_setup_and_shared_layers_by_path():
   assert found.num_calls == {("inner", "proj"): 1, ("shared",): 2, ("head",): 1}
 
 
-def test_factors_sum_over_positions_and_calls():
+@pytest.mark.parametrize("api", APIS)
+def test_factors_sum_over_positions_and_calls(api):
   params, batch = problem()
   tx = kfac_optax.scale_by_kfac(
-      SequenceNet().apply, kfac_optax.losses.softmax_cross_entropy(),
-      example_batch=batch, estimation="empirical")
+      model_for(api, SequenceNet(), NNXSequenceNet, params),
+      kfac_optax.losses.softmax_cross_entropy(), example_batch=batch,
+      estimation="empirical")
   _, state = jax.jit(lambda s: tx.update(params, s, params, batch=batch))(
       tx.init(params))
   expected = reference_factors(params, batch)
@@ -108,14 +135,16 @@ def test_factors_sum_over_positions_and_calls():
     assert bf.relative_error(state.factors[path], expected[key]) < 1e-4
 
 
+@pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("estimation", ["empirical", "exact"])
-def test_diagonal_fallback_matches_per_example_gradients(estimation):
+def test_diagonal_fallback_matches_per_example_gradients(estimation, api):
   """F = (1/N) Σ_k (Σ_n ∇θ ℓ_n,k)², U = ∇ / (F + λ), from per-example grads."""
   params, batch = problem()
   x, y = batch
   damping = 1e-2
   tx = kfac_optax.scale_by_kfac(
-      SequenceNet().apply, kfac_optax.losses.softmax_cross_entropy(),
+      model_for(api, SequenceNet(), NNXSequenceNet, params),
+      kfac_optax.losses.softmax_cross_entropy(),
       example_batch=batch, estimation=estimation, damping=damping)
   grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
   out, state = tx.update(grads, tx.init(params), params, batch=batch)

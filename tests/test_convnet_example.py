@@ -8,6 +8,7 @@ parameters and see the same batches; CPU runs are deterministic.
 
 import math
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import pytest
@@ -26,28 +27,38 @@ STEPS, BATCH, TRAIN_SIZE, TEST_SIZE = 40, 64, 1024, 256
 ADAM_LR = {"fashion_mnist": 1e-2, "digits": 3e-2}
 
 
+def _model_and_params(api, x):
+  """(the model as K-FAC takes it, its params as shapes, its layer paths)."""
+  if api == "linen":
+    model = convnet.ConvNet()
+    params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
+    return model.apply, params, ("Conv_0", "Conv_1", "Dense_0")
+  model = nnx.eval_shape(lambda: convnet.NnxConvNet(*x.shape[1:3],
+                                                    rngs=nnx.Rngs(0)))
+  return model, nnx.state(model, nnx.Param), ("convs/0", "convs/1", "dense")
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
 @pytest.mark.parametrize("side", [28, 8])
-def test_every_conv_and_dense_layer_gets_a_kronecker_block(side):
-  model = convnet.ConvNet()
+def test_every_conv_and_dense_layer_gets_a_kronecker_block(side, api):
   x = jnp.zeros((4, side, side, 1))
   batch = (x, jnp.zeros((4,), jnp.int32))
-  params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
+  model, params, (conv0, conv1, dense) = _model_and_params(api, x)
   tx = kfac_optax.scale_by_kfac(
-      model.apply, kfac_optax.losses.softmax_cross_entropy(),
-      example_batch=batch)
+      model, kfac_optax.losses.softmax_cross_entropy(), example_batch=batch)
   state = jax.eval_shape(tx.init, params)  # shapes only: nothing runs
-  assert set(state.factors) == {"Conv_0", "Conv_1", "Dense_0"}
   flat = (side // 4) ** 2 * 16  # two stride-2 SAME pools, 16 channels
   shapes = {k: (f.a.shape, f.g.shape) for k, f in state.factors.items()}
-  assert shapes == {"Conv_0": ((1, 26, 26), (1, 16, 16)),
-                    "Conv_1": ((1, 401, 401), (1, 16, 16)),
-                    "Dense_0": ((1, flat + 1, flat + 1), (1, 10, 10))}
+  assert shapes == {conv0: ((1, 26, 26), (1, 16, 16)),
+                    conv1: ((1, 401, 401), (1, 16, 16)),
+                    dense: ((1, flat + 1, flat + 1), (1, 10, 10))}
 
 
-def test_kfac_beats_adam_on_training_loss_at_equal_steps(tmp_path):
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_kfac_beats_adam_on_training_loss_at_equal_steps(api, tmp_path):
   plot = tmp_path / "convnet.png"
   metrics = convnet.main([
-      "--dataset", DATASET, "--steps", str(STEPS),
+      "--dataset", DATASET, "--api", api, "--steps", str(STEPS),
       "--batch-size", str(BATCH), "--train-size", str(TRAIN_SIZE),
       "--test-size", str(TEST_SIZE), "--adam-lr", str(ADAM_LR[DATASET]),
       "--plot", str(plot)])

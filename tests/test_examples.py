@@ -5,32 +5,26 @@ import math
 import re
 
 import numpy as np
+import pytest
 
 from examples import gpt2_hf_style
 from examples import mlp_classifier
-from examples import nnx_mlp
 
 
-def test_mlp_classifier_quick_run(tmp_path):
+@pytest.mark.parametrize("api,first_layer", [("linen", "Dense_0"),
+                                             ("nnx", "hidden/0")])
+def test_mlp_classifier_quick_run(api, first_layer, tmp_path, capsys):
   plot = tmp_path / "p.png"
-  metrics = mlp_classifier.main(["--quick", "--plot", str(plot)])
+  metrics = mlp_classifier.main(["--quick", "--api", api, "--plot", str(plot)])
+  printed = capsys.readouterr().out
+  assert re.search(rf"{first_layer} +kronecker", printed)
+  assert "fallback" not in printed
   assert plot.is_file() and plot.stat().st_size > 0
   assert set(metrics) == {"kfac", "adam"}
   for name, values in metrics.items():
     for key, value in values.items():
       assert math.isfinite(value), (name, key, value)
     assert 0.0 <= values["test_accuracy"] <= 1.0
-
-
-def test_nnx_mlp_quick_run(tmp_path, capsys):
-  plot = tmp_path / "p.png"
-  metrics = nnx_mlp.main(["--quick", "--plot", str(plot)])
-  assert re.search(r"hidden/0 +kronecker", capsys.readouterr().out)
-  assert plot.is_file() and plot.stat().st_size > 0
-  assert set(metrics) == {"kfac", "adam"}
-  for name, values in metrics.items():
-    for key, value in values.items():
-      assert math.isfinite(value), (name, key, value)
   # 60 steps on 2048 examples: K-FAC fits the training set faster than Adam.
   assert metrics["kfac"]["train_loss"] < metrics["adam"]["train_loss"]
 

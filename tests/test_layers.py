@@ -11,13 +11,16 @@ row matrices in numpy and the damped solve uses np.kron (tests/brute_force.py).
 
 To keep compile time down, the layers of one family (all convolutions; all
 DenseGeneral configurations) are parallel branches of one model, so one
-jitted K-FAC update serves every test case of the family.
+jitted K-FAC update serves every test case of the family. The Conv,
+DenseGeneral, Embed and attention tests also run K-FAC on the Flax NNX twin
+of their model (`tests/nnx_twins.py`) against the same reference.
 """
 
 import dataclasses
 import functools
 from typing import Any, NamedTuple
 
+from flax import nnx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -26,6 +29,7 @@ import pytest
 
 import kfac_optax
 from tests import brute_force as bf
+from tests.nnx_twins import APIS, model_for
 
 LOSS = kfac_optax.losses.softmax_cross_entropy()
 DAMPING = 1e-2
@@ -65,9 +69,13 @@ def labels(seed, n=BATCH):
 
 
 def kfac_step(model, params, batch, grads):
-  """One jitted empirical K-FAC update from a fresh state: (updates, state)."""
+  """One jitted empirical K-FAC update from a fresh state: (updates, state).
+
+  ``model`` as `scale_by_kfac` takes it: a linen apply function or an NNX
+  module.
+  """
   tx = kfac_optax.scale_by_kfac(
-      model.apply, LOSS, example_batch=batch, estimation="empirical",
+      model, LOSS, example_batch=batch, estimation="empirical",
       inverse_update_period=1, damping=DAMPING)
   step = jax.jit(lambda g, p, b: tx.update(g, tx.init(p), p, batch=b))
   return step(grads, params, batch)
@@ -174,6 +182,40 @@ class BranchNet(nn.Module):
     return nn.Dense(CLASSES, name="head")(jnp.concatenate(hidden, axis=-1))
 
 
+def nnx_layer(b: Branch, rngs: nnx.Rngs) -> nnx.Module:
+  """The NNX twin of branch ``b``'s layer (axes sorted, as flax's linen sorts
+  them)."""
+  kwargs = dict(b.kwargs)
+  features = kwargs.pop("features")
+  shape = np.moveaxis(np.empty(b.x_shape), 0, b.lead).shape  # as the layer sees it
+  if b.kind == "conv":
+    return nnx.Conv(shape[-1], features, rngs=rngs, **kwargs)
+  ndim = len(shape)
+  axis = kwargs.pop("axis", -1)
+  axis = sorted(a % ndim for a in (axis if isinstance(axis, tuple) else (axis,)))
+  batch_dims = sorted(kwargs.pop("batch_dims", ()))
+  return nnx.LinearGeneral(tuple(shape[a] for a in axis), features, axis=tuple(axis),
+                           batch_axis={d: shape[d] for d in batch_dims},
+                           rngs=rngs, **kwargs)
+
+
+class NNXBranchNet(nnx.Module):
+  """`BranchNet` in NNX (the head's input width given)."""
+
+  def __init__(self, branches, head_features, rngs):
+    self.branches = branches
+    for b in branches:
+      setattr(self, b.name, nnx_layer(b, rngs))
+    self.head = nnx.Linear(head_features, CLASSES, rngs=rngs)
+
+  def __call__(self, xs):
+    hidden = []
+    for b in self.branches:
+      s = getattr(self, b.name)(jnp.moveaxis(xs[b.name], 0, b.lead))
+      hidden.append(jnp.tanh(jnp.moveaxis(s, b.lead, 0)).reshape(BATCH, -1))
+    return self.head(jnp.concatenate(hidden, axis=-1))
+
+
 def branch_forward(branches, params, xs, perturbations):
   """BranchNet written out, each layer output plus its perturbation."""
   hidden = []
@@ -237,8 +279,9 @@ class Family(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def run_family(branches: tuple) -> Family:
-  """One K-FAC update and the reference arrays for a tuple of branches."""
+def run_family(branches: tuple, api: str = "linen") -> Family:
+  """One K-FAC update and the reference arrays for a tuple of branches, the
+  model written in ``api``."""
   model = BranchNet(branches)
   rng = np.random.default_rng(len(branches))
   xs = {b.name: jnp.asarray(rng.normal(size=b.x_shape), jnp.float32)
@@ -246,7 +289,9 @@ def run_family(branches: tuple) -> Family:
   y = labels(1)
   params = random_params(model, xs, seed=2)
   grads = random_tree(params, seed=3)
-  updates, state = kfac_step(model, params, (xs, y), grads)
+  twin = model_for(api, model, lambda rngs: NNXBranchNet(
+      branches, params["head"]["kernel"].shape[0], rngs), params)
+  updates, state = kfac_step(twin, params, (xs, y), grads)
   forward_error, reference = branch_reference(branches, params, xs, y)
   assert forward_error < 1e-5
   return Family(params, grads, updates, state,
@@ -347,10 +392,11 @@ def conv_patches(jacobian, kernel_shape, groups):
   return np.stack([jacobian[:, j * width, :, j * width] for j in range(groups)])
 
 
+@pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("case", list(CONV_CASES))
-def test_conv_matches_brute_force(case):
+def test_conv_matches_brute_force(case, api):
   b = CONV_CASES[case]
-  family = run_family(CONV_BRANCHES)
+  family = run_family(CONV_BRANCHES, api)
   ref, params, grads = family.reference, family.params[b.name], family.grads[b.name]
   kernel = f64(params["kernel"])
   groups, c_out = b.layer().feature_group_count, kernel.shape[-1]
@@ -380,8 +426,9 @@ def test_conv_matches_brute_force(case):
   assert_block(family.state.factors[b.name], family.updates[b.name], (a, g), expected)
 
 
-def test_conv_family_head_matches_brute_force():
-  check_head(run_family(CONV_BRANCHES), CONV_BRANCHES)
+@pytest.mark.parametrize("api", APIS)
+def test_conv_family_head_matches_brute_force(api):
+  check_head(run_family(CONV_BRANCHES, api), CONV_BRANCHES)
 
 
 # --------------------------------------------------------------------------
@@ -421,8 +468,8 @@ DENSE_GENERAL_CASES = {b.name: b for family in DENSE_GENERAL_FAMILIES
                        for b in family if not b.name.startswith("unsorted")}
 
 
-def check_dense_general(branches, b):
-  family = run_family(branches)
+def check_dense_general(branches, b, api="linen"):
+  family = run_family(branches, api)
   ref, params, grads = family.reference, family.params[b.name], family.grads[b.name]
   kernel = f64(params["kernel"])
   kwargs = dict(b.kwargs)
@@ -456,15 +503,17 @@ def check_dense_general(branches, b):
   assert set(family.state.factors) == {c.name for c in branches} | {"head"}
 
 
+@pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("case", list(DENSE_GENERAL_CASES))
-def test_dense_general_matches_brute_force(case):
-  check_dense_general(DENSE_GENERAL_FAMILY[case], DENSE_GENERAL_CASES[case])
+def test_dense_general_matches_brute_force(case, api):
+  check_dense_general(DENSE_GENERAL_FAMILY[case], DENSE_GENERAL_CASES[case], api)
 
 
+@pytest.mark.parametrize("api", APIS)
 @pytest.mark.parametrize("family", [0, 1], ids=["plain", "batch_dims"])
-def test_dense_general_family_head_matches_brute_force(family):
+def test_dense_general_family_head_matches_brute_force(family, api):
   branches = DENSE_GENERAL_FAMILIES[family]
-  check_head(run_family(branches), branches)
+  check_head(run_family(branches, api), branches)
 
 
 def test_dense_general_axes_in_any_order():
@@ -492,14 +541,27 @@ class EmbedNet(nn.Module):
     return nn.Dense(CLASSES, name="head")(e.mean(axis=1))
 
 
-def test_embed_matches_brute_force():
+class NNXEmbedNet(nnx.Module):
+  """`EmbedNet` in NNX."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(VOCAB, EMBED_DIM, rngs=rngs)
+    self.head = nnx.Linear(EMBED_DIM, CLASSES, rngs=rngs)
+
+  def __call__(self, tokens):
+    return self.head(self.embed(tokens).mean(axis=1))
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_embed_matches_brute_force(api):
   n, t = 4, 5
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, VOCAB - 1, (n, t)), jnp.int32)  # id 6 unseen
   y = labels(1, n)
   params = random_params(EmbedNet(), tokens, seed=2)
   grads = random_tree(params, seed=3)
-  out, state = kfac_step(EmbedNet(), params, (tokens, y), grads)
+  out, state = kfac_step(model_for(api, EmbedNet(), NNXEmbedNet, params), params,
+                         (tokens, y), grads)
 
   def forward(perturbations):
     e = params["embed"]["embedding"][tokens] + perturbations["embed"]
@@ -541,14 +603,27 @@ class TiedLM(nn.Module):
     return embed.attend(h)
 
 
-def test_tied_embedding_combines_lookup_and_attend_statistics():
+class NNXTiedLM(nnx.Module):
+  """`TiedLM` in NNX."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(VOCAB, EMBED_DIM, rngs=rngs)
+    self.mix = nnx.Linear(EMBED_DIM, EMBED_DIM, use_bias=False, rngs=rngs)
+
+  def __call__(self, tokens):
+    return self.embed.attend(jnp.tanh(self.mix(self.embed(tokens))))
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_tied_embedding_combines_lookup_and_attend_statistics(api):
   n, t = 4, 5
   rng = np.random.default_rng(4)
   tokens = jnp.asarray(rng.integers(0, VOCAB, (n, t)), jnp.int32)
   y = jnp.asarray(rng.integers(0, VOCAB, (n, t)), jnp.int32)  # a label per token
   params = random_params(TiedLM(), tokens, seed=5)
   grads = random_tree(params, seed=6)
-  out, state = kfac_step(TiedLM(), params, (tokens, y), grads)
+  out, state = kfac_step(model_for(api, TiedLM(), NNXTiedLM, params), params,
+                         (tokens, y), grads)
 
   def forward(perturbations):
     table = params["embed"]["embedding"]
@@ -601,6 +676,19 @@ class AttentionNet(nn.Module):
     return nn.Dense(CLASSES, name="head")(jnp.tanh(h).mean(axis=1))
 
 
+class NNXAttentionNet(nnx.Module):
+  """`AttentionNet` in NNX."""
+
+  def __init__(self, rngs):
+    self.attn = nnx.MultiHeadAttention(
+        HEADS, WIDTH, qkv_features=HEADS * HEAD_DIM, out_features=WIDTH,
+        decode=False, rngs=rngs)
+    self.head = nnx.Linear(WIDTH, CLASSES, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(jnp.tanh(self.attn(x)).mean(axis=1))
+
+
 def attention_forward(params, x, perturbations):
   """Self-attention written out; perturbations on q, k, v, out and logits."""
   p = params["attn"]
@@ -617,13 +705,15 @@ def attention_forward(params, x, perturbations):
   return logits + perturbations["head"], {"mixed": mixed, "pooled": pooled}
 
 
-def test_attention_projections_are_found_and_match_brute_force():
+@pytest.mark.parametrize("api", APIS)
+def test_attention_projections_are_found_and_match_brute_force(api):
   n, t = BATCH, 4
   x = jnp.asarray(np.random.default_rng(0).normal(size=(n, t, WIDTH)), jnp.float32)
   y = labels(1)
   params = random_params(AttentionNet(), x, seed=2)
   grads = random_tree(params, seed=3)
-  out, state = kfac_step(AttentionNet(), params, (x, y), grads)
+  out, state = kfac_step(model_for(api, AttentionNet(), NNXAttentionNet, params),
+                         params, (x, y), grads)
 
   assert set(state.factors) == {f"attn/{name}" for name in PROJECTIONS} | {"head"}
   assert set(state.inverses) == set(state.factors)
@@ -673,7 +763,7 @@ def test_conv_transpose_and_conv_local_use_the_diagonal_block():
   model = UnregisteredNet()
   params = random_params(model, x, seed=2)
   grads = random_tree(params, seed=3)
-  out, state = kfac_step(model, params, (x, y), grads)
+  out, state = kfac_step(model.apply, params, (x, y), grads)
 
   fallback = {f"{layer}/{leaf}": (layer, leaf)
               for layer in ("transpose", "local") for leaf in ("kernel", "bias")}
@@ -736,7 +826,7 @@ def test_unregistered_user_layer_falls_back_to_the_diagonal():
 def test_registered_user_layer_matches_brute_force(registered_affine):
   del registered_affine
   params, (x, y), grads = affine_problem()
-  out, state = kfac_step(AffineNet(), params, (x, y), grads)
+  out, state = kfac_step(AffineNet().apply, params, (x, y), grads)
   assert set(state.factors) == {"affine", "head"}
 
   def forward(perturbations):

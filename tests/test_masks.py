@@ -1,12 +1,15 @@
 """Per-token masks from the loss: padding never enters any statistic."""
 
+from flax import nnx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import kfac_optax
 from tests import brute_force as bf
+from tests.nnx_twins import APIS, model_for
 
 
 class TokenNet(nn.Module):
@@ -21,6 +24,22 @@ class TokenNet(nn.Module):
     return nn.Dense(7, name="head")(h)
 
 
+class NNXTokenNet(nnx.Module):
+  """`TokenNet` in NNX."""
+
+  def __init__(self, use_norm, rngs):
+    self.embed = nnx.Embed(11, 4, rngs=rngs)
+    self.dense = nnx.Linear(4, 5, rngs=rngs)
+    self.norm = nnx.LayerNorm(5, rngs=rngs) if use_norm else None
+    self.head = nnx.Linear(5, 7, rngs=rngs)
+
+  def __call__(self, ids):
+    h = jnp.tanh(self.dense(self.embed(ids)))
+    if self.norm is not None:
+      h = self.norm(h)
+    return self.head(h)
+
+
 def batch(seed, lengths=(5, 2, 4), length=6):
   ids = jax.random.randint(jax.random.key(seed), (len(lengths), length), 0, 11)
   targets = jax.random.randint(jax.random.key(seed + 1), ids.shape, 0, 7)
@@ -32,32 +51,41 @@ LOSS = kfac_optax.losses.softmax_cross_entropy(
     targets=lambda b: b["y"], mask=lambda b: b["mask"])
 
 
-def factors_for(model, params, data, loss=LOSS):
-  tx = kfac_optax.scale_by_kfac(model.apply, loss, example_batch=data,
+def factors_for(api, model, params, data):
+  """The factors of one empirical K-FAC update of ``model`` (a `TokenNet`),
+  run in ``api`` with ``params``."""
+  twin = model_for(api, model, lambda rngs: NNXTokenNet(model.use_norm, rngs),
+                   params)
+  tx = kfac_optax.scale_by_kfac(twin, LOSS, example_batch=data,
                                 inputs=lambda b: b["ids"], estimation="empirical")
-  return tx.update(params, tx.init(params), params, batch=data)[1].factors
+  return jax.jit(lambda p, b: tx.update(p, tx.init(p), p, batch=b)[1].factors)(
+      params, data)
 
 
-def test_padding_never_enters_the_statistics():
+@pytest.mark.parametrize("api", APIS)
+def test_padding_never_enters_the_statistics(api):
   model = TokenNet()
   data = batch(0)
   params = model.init(jax.random.key(9), data["ids"])["params"]
   padded = ~data["mask"]
   changed = {**data, "ids": jnp.where(padded, 10, data["ids"]),
              "y": jnp.where(padded, 0, data["y"])}
-  original, after = factors_for(model, params, data), factors_for(model, params, changed)
+  original = factors_for(api, model, params, data)
+  after = factors_for(api, model, params, changed)
   for key in original:
     assert bf.relative_error(after[key], jax.tree.map(np.asarray, original[key])) < 1e-6
 
 
-def test_masked_statistics_equal_those_of_the_unmasked_tokens_alone():
+@pytest.mark.parametrize("api", APIS)
+def test_masked_statistics_equal_those_of_the_unmasked_tokens_alone(api):
   model = TokenNet(use_norm=False)
   data = batch(1)
   params = model.init(jax.random.key(9), data["ids"])["params"]
   kept = np.asarray(data["mask"])
   alone = {"ids": data["ids"][kept][:, None], "y": data["y"][kept][:, None],
            "mask": jnp.ones((int(kept.sum()), 1), bool)}  # M sequences of one token
-  masked, reference = factors_for(model, params, data), factors_for(model, params, alone)
+  masked = factors_for(api, model, params, data)
+  reference = factors_for(api, model, params, alone)
   for key in ("embed", "dense", "head"):
     assert bf.relative_error(masked[key], jax.tree.map(np.asarray, reference[key])) < 1e-5
 

@@ -1,9 +1,10 @@
 """Flax NNX models: the same blocks and numbers as their linen twins.
 
 Each NNX model here has a linen twin with the same module paths and, copied
-over, the same weights; the linen path is tested against brute force
-elsewhere, so equal factors and updates carry that proof over. A tiny NNX
-MLP is also checked directly against the explicit float64 reference of
+over, the same weights, and gives its twin's factors and updates in every
+estimation mode. The brute-force tests of the layers, norms, masks and
+shared modules run on NNX twins themselves (`tests/nnx_twins.py`); a tiny
+NNX MLP is also checked here against the explicit float64 reference of
 `tests/brute_force.py`.
 """
 
@@ -19,6 +20,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import kfac_optax
 from kfac_optax import nnx_capture
 from tests import brute_force as bf
+from tests.nnx_twins import twin_of
 
 DAMPING = 1e-2
 VOCAB, WIDTH, LENGTH = 11, 8, 5
@@ -27,18 +29,6 @@ VOCAB, WIDTH, LENGTH = 11, 8, 5
 def copy_params(model: nnx.Module, linen_params) -> nnx.Module:
   """``model`` with the linen twin's params (same paths)."""
   nnx.update(model, nnx.State(jax.tree.map(jnp.asarray, linen_params)))
-  return model
-
-
-def twin_of(make, linen_variables) -> nnx.Module:
-  """The NNX model ``make(rngs)`` holding the linen twin's variables (its
-  params and, by the same names, BatchNorm statistics): built abstractly,
-  so no initializer runs."""
-  model = nnx.eval_shape(lambda: make(nnx.Rngs(0)))
-  state = {}
-  for collection in linen_variables.values():
-    state = nnx.merge_state(state, jax.tree.map(jnp.asarray, dict(collection)))
-  nnx.update(model, nnx.State(state))
   return model
 
 
@@ -201,10 +191,9 @@ def by_path(tree):
 ESTIMATIONS = ("fisher", "empirical", "exact", "curvature_prop")
 
 
-# Every estimation mode on the tiny twin; the others (compile time) "fisher".
 @pytest.mark.parametrize("twins, estimation", [
-    *[("tiny", estimation) for estimation in ESTIMATIONS],
-    ("lm", "fisher"), ("cnn", "fisher")], indirect=["twins"])
+    (case, estimation) for case in CASES for estimation in ESTIMATIONS],
+    indirect=["twins"])
 def test_nnx_model_gives_its_linen_twins_factors_and_updates(twins, estimation):
   _, linen, model, variables, batch, options = twins
   others = {k: v for k, v in variables.items() if k != "params"}

@@ -1,5 +1,6 @@
 """Normalisation layers: diagonal blocks from exact per-example gradients."""
 
+from flax import nnx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,7 @@ import optax
 import pytest
 
 import kfac_optax
+from tests.nnx_twins import APIS, model_for
 
 LOSS = kfac_optax.losses.softmax_cross_entropy()
 DAMPING = 1e-2
@@ -22,19 +24,44 @@ def net_with(make_norm):
   return Net()
 
 
-@pytest.mark.parametrize("make_norm", [
-    nn.LayerNorm, nn.RMSNorm,
-    lambda name: nn.GroupNorm(num_groups=2, name=name),
-    lambda name: nn.LayerNorm(feature_axes=(-2, -1), reduction_axes=(-2, -1), name=name),
-    lambda name: nn.LayerNorm(use_bias=False, name=name),
-], ids=["layer", "rms", "group", "layer-two-axes", "layer-no-bias"])
-def test_norm_matches_per_example_gradients(make_norm):
+class NNXNet(nnx.Module):
+  """`net_with`'s net in NNX, for inputs (N, 2, 3), with the same paths."""
+
+  def __init__(self, make_norm, rngs):
+    self.Dense_0 = nnx.Linear(3, 4, rngs=rngs)  # pylint: disable=invalid-name
+    self.norm = make_norm(rngs)
+    self.Dense_1 = nnx.Linear(8, 3, rngs=rngs)  # pylint: disable=invalid-name
+
+  def __call__(self, x):
+    h = self.norm(self.Dense_0(x))
+    return self.Dense_1(jnp.tanh(h).reshape(h.shape[0], -1))
+
+
+NORMS = {  # id: (the linen norm, its NNX twin or None where NNX has none)
+    "layer": (nn.LayerNorm, lambda rngs: nnx.LayerNorm(4, rngs=rngs)),
+    "rms": (nn.RMSNorm, lambda rngs: nnx.RMSNorm(4, rngs=rngs)),
+    "group": (lambda name: nn.GroupNorm(num_groups=2, name=name),
+              lambda rngs: nnx.GroupNorm(4, num_groups=2, rngs=rngs)),
+    # NNX's LayerNorm has one feature axis.
+    "layer-two-axes": (lambda name: nn.LayerNorm(
+        feature_axes=(-2, -1), reduction_axes=(-2, -1), name=name), None),
+    "layer-no-bias": (lambda name: nn.LayerNorm(use_bias=False, name=name),
+                      lambda rngs: nnx.LayerNorm(4, use_bias=False, rngs=rngs)),
+}
+
+
+@pytest.mark.parametrize("norm, api", [
+    (norm, api) for norm, (_, twin) in NORMS.items() for api in APIS
+    if api == "linen" or twin])
+def test_norm_matches_per_example_gradients(norm, api):
+  make_norm, make_twin = NORMS[norm]
   model = net_with(make_norm)
   x = jax.random.normal(jax.random.key(0), (5, 2, 3))  # per-position norm
   y = jnp.arange(5) % 3
   params = model.init(jax.random.key(1), x)["params"]
-  tx = kfac_optax.scale_by_kfac(model.apply, LOSS, example_batch=(x, y),
-                                estimation="empirical", damping=DAMPING)
+  tx = kfac_optax.scale_by_kfac(
+      model_for(api, model, lambda rngs: NNXNet(make_twin, rngs), params), LOSS,
+      example_batch=(x, y), estimation="empirical", damping=DAMPING)
   grads = jax.tree.map(lambda p: jnp.full_like(p, 0.3), params)
   out, state = jax.jit(lambda s: tx.update(grads, s, params, batch=(x, y)))(
       tx.init(params))
