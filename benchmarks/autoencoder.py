@@ -6,17 +6,20 @@ Workload 1 of issue 6: the deep autoencoder of Martens & Grosse (2015),
 sigmoid cross-entropy summed over pixels and averaged over the batch. The
 contenders, the timing protocol and the report are those of `harness`.
 
-kfac_optax's settings come from `autoencoder_sweep.py`
+Each contender but the pairs compared with kfac-jax gets 120 s of step time
+(issue 16's wall-clock targets); the paired ones run 200 steps. kfac_optax's
+matched settings come from `autoencoder_sweep.py`
 (results/autoencoder_sweep.json): of the learning rate / damping pairs tried,
 lr 0.03 with damping 3 had the lowest loss at every step from 30 to 300. The
 tuned contender refreshes its inverses every 20 steps instead of 5 and its
 statistics every 5 steps instead of every step: as low a loss (237.3 at
 step 150, against 237.1 with statistics every step and 240.1 for the
-default) at about a third of the median step time.
+default) at about a third of the median step time. The recipe contender has
+the README's recommended settings, the same on every workload.
 
 From the repository root::
 
-  python benchmarks/autoencoder.py           # full run, ~10 min on 2 CPU cores
+  python benchmarks/autoencoder.py           # full run, ~15 min on 2 CPU cores
   python benchmarks/autoencoder.py --quick   # smoke test: every contender runs
 """
 
@@ -34,16 +37,19 @@ from examples import datasets  # pylint: disable=wrong-import-position
 import kfac_optax  # pylint: disable=wrong-import-position,wrong-import-order
 
 QUICK_IMAGES = 256
-DEFAULTS = dict(steps=200, quick_steps=2, kfac_lr=0.03, kfac_damping=3.0,
+DEFAULTS = dict(budget_s=120.0, matched_steps=200, quick_steps=2, kfac_lr=0.03,
+                kfac_damping=3.0,
                 tuned=dict(inverse_update_period=20, stats_update_period=5),
                 adaptive=True, adam_lrs=[3e-4, 1e-3, 3e-3],
                 target_steps=[30, 60, 120, 200])
 GOALS = (
-    harness.Goal("kfac_optax mean ms/step / kfac-jax (matched)",
-                 "mean_vs_kfac_jax", 0.7),
-    harness.Goal("kfac_optax mean ms/step / best Adam", "mean_vs_adam", 3.0),
-    harness.Goal("kfac_optax seconds to best Adam's loss at step 120 / that "
-                 "Adam's seconds", "key_target_time_vs_adam", 0.5),
+    harness.Goal("mean ms/step / kfac-jax's at matched settings",
+                 "mean_vs_kfac_jax", 0.5, ("kfac_optax",)),
+    harness.Goal("mean ms/step / best Adam's, README settings", "mean_vs_adam",
+                 2.0, (harness.RECIPE_NAME,)),
+    harness.Goal("seconds to the best Adam's 120-s loss / that Adam's",
+                 "budget_target_time_vs_adam", 0.5,
+                 (harness.RECIPE_NAME, "kfac_optax (tuned)")),
 )
 
 

@@ -60,7 +60,7 @@ def main(argv=None):
     contenders.append(harness.optax_contender(
         f"adam lr={lr:g}", "adam", optax.adam(lr), dict(learning_rate=lr),
         workload, step))
-  batches = harness.Batches(workload, args.steps, args.seed)
+  batches = harness.Batches(workload, args.seed)
   with harness.single_threaded_lapack():
     record = harness.race(contenders, params, batches, args.steps, log_every=10)
   report_steps = [int(s) for s in args.report_steps.split(",") if int(s) <= args.steps]

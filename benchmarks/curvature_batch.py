@@ -115,7 +115,7 @@ def main(argv=None):
       jax.random.key(args.seed),
       workload.inputs(workload.batch(np.arange(workload.batch_size))))["params"]
   racers = contenders(workload, module, adam_lr)
-  batches = harness.Batches(workload, max(steps, harness.WARMUP_STEPS), args.seed)
+  batches = harness.Batches(workload, args.seed)
   load = harness.LoadSampler()
   with harness.single_threaded_lapack():
     env = harness.environment()

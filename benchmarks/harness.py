@@ -40,6 +40,7 @@ import dataclasses
 import datetime
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -48,6 +49,7 @@ import sys
 import time
 from typing import Any, Callable
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -86,6 +88,11 @@ KFAC_OPTAX_ADAPTIVE = dict(
     **{k: KFAC_JAX_ADAPTIVE[k] for k in (
         "damping_adaptation_decay", "damping_adaptation_interval",
         "min_damping", "max_damping", "inverse_update_period")})
+# The README's recommended settings for wall-clock speed, the same on every
+# workload: the fixed-learning-rate mode at its defaults (damping 1e-2, KL
+# clipping, inverse="auto") with statistics every 10 steps, inverses every 50.
+RECIPE_NAME = "kfac_optax (recipe)"
+RECIPE = dict(learning_rate=0.03, stats_update_period=10, inverse_update_period=50)
 _KFAC_JAX_ESTIMATION = {"fisher": "fisher_gradients", "empirical": "empirical",
                         "exact": "fisher_exact"}
 
@@ -106,6 +113,9 @@ class Workload:
     data: a pytree of arrays with a leading example axis; a batch is the
       tree indexed by example indices.
     batch_size: examples per step.
+    mutable: the collections other than params that a training step updates
+      (``("batch_stats",)`` for BatchNorm in training mode).
+    kfac_jax_unsupported: why kfac-jax is not run on this workload, or None.
   """
   name: str
   title: str
@@ -113,9 +123,11 @@ class Workload:
   model: nn.Module
   loss: kfac_optax.losses.PredictiveLoss
   inputs: Callable[[Any], Any]
-  register_kfac_jax_loss: Callable[[Any, Any, Any], None]
+  register_kfac_jax_loss: Callable[[Any, Any, Any], None] | None
   data: Any
   batch_size: int
+  mutable: tuple[str, ...] = ()
+  kfac_jax_unsupported: str | None = None
 
   def batch(self, indices):
     return jax.tree.map(lambda x: x[indices], self.data)
@@ -124,17 +136,30 @@ class Workload:
   def num_examples(self) -> int:
     return len(jax.tree.leaves(self.data)[0])
 
+  def loss_and_state(self, params, model_state, batch):
+    """``(loss, updated model_state)``; ``model_state`` holds `mutable`."""
+    variables = {"params": params, **model_state}
+    if not self.mutable:
+      return self.loss.value(self.model.apply(variables, self.inputs(batch)),
+                             batch), model_state
+    outputs, model_state = self.model.apply(
+        variables, self.inputs(batch), mutable=list(self.mutable))
+    return self.loss.value(outputs, batch), model_state
+
   def loss_fn(self, params, batch):
-    outputs = self.model.apply({"params": params}, self.inputs(batch))
-    return self.loss.value(outputs, batch)
+    return self.loss_and_state(params, {}, batch)[0]
 
 
 @dataclasses.dataclass(frozen=True)
 class Goal:
-  """An issue target: ``row[field] <= limit``, checked for every kfac_optax."""
+  """An issue target: ``row[field] <= limit``, checked for every kfac_optax.
+
+  ``contenders``: the kfac_optax rows it is checked on (None: all of them).
+  """
   text: str
   field: str
   limit: float
+  contenders: tuple[str, ...] | None = None
 
 
 @dataclasses.dataclass
@@ -162,15 +187,25 @@ def fresh_copy(tree):
   return jax.tree.map(jnp.copy, tree)
 
 
+class ModelTrainState(kfac_optax.TrainState):
+  """`kfac_optax.TrainState` that also carries the model's `Workload.mutable`."""
+  model_state: Any = flax.struct.field(default_factory=dict)
+
+
 def train_step(workload: Workload):
-  """A jitted ``(TrainState, batch, rng) -> (TrainState, loss)``, state donated.
+  """A jitted ``(ModelTrainState, batch, rng) -> (state, loss)``, state donated.
 
   One step serves every optax contender: `kfac_optax.TrainState` forwards
-  ``batch`` and ``rng`` to ``tx.update``, and Adam ignores them.
+  ``batch``, ``rng`` (and for a stateful model the ``variables`` the
+  gradients were taken at) to ``tx.update``, and Adam ignores them.
   """
   def step(state, batch, rng):
-    value, grads = jax.value_and_grad(workload.loss_fn)(state.params, batch)
-    return state.apply_gradients(grads=grads, batch=batch, rng=rng), value
+    (value, model_state), grads = jax.value_and_grad(
+        workload.loss_and_state, has_aux=True)(state.params, state.model_state,
+                                               batch)
+    extra = dict(variables=state.model_state) if workload.mutable else {}
+    return state.apply_gradients(grads=grads, batch=batch, rng=rng,
+                                 model_state=model_state, **extra), value
   return jax.jit(step, donate_argnums=0)
 
 
@@ -180,12 +215,19 @@ def kfac_optax_tx(workload: Workload, example_batch, **settings):
                          **settings)
 
 
-def optax_contender(name, family, tx, settings, workload, step):
+def optax_contender(name, family, tx, settings, workload, step, model_state=None,
+                    max_steps=None):
+  """A contender that trains with ``tx`` by `train_step`.
+
+  ``model_state``: the initial `Workload.mutable` collections (None: none).
+  """
   def start(params):
-    return fresh_copy(kfac_optax.TrainState.create(
-        apply_fn=workload.model.apply, params=params, tx=tx))
+    return fresh_copy(ModelTrainState.create(
+        apply_fn=workload.model.apply, params=params, tx=tx,
+        model_state=model_state or {}))
   return Contender(name, family, settings, start,
-                   lambda state, batch, rng, i: step(state, batch, rng))
+                   lambda state, batch, rng, i: step(state, batch, rng),
+                   max_steps)
 
 
 def backend_suffix() -> str:
@@ -275,32 +317,38 @@ def kfac_jax_contender(name, kfac_jax, loss_fn, example_batch, seed, *,
   return Contender(name, "kfac_jax", settings, start, step, max_steps)
 
 
-def make_contenders(workload, args, kfac_jax):
-  """All contenders of the race, in table order."""
+def make_contenders(workload, args, kfac_jax, model_state=None):
+  """All contenders of the race, in table order.
+
+  In a wall-clock race (``args.budget_s``) the contenders paired with kfac-jax
+  (kfac_optax at matched settings, kfac_optax (adaptive)) and kfac-jax's stop
+  after ``args.matched_steps``: they are there for the per-step comparison,
+  the others race for the targets.
+  """
   example_batch = workload.batch(np.arange(workload.batch_size))
   step = train_step(workload)
+
+  def ours(name, settings, max_steps=None):
+    return optax_contender(
+        name, "kfac_optax", kfac_optax_tx(workload, example_batch, **settings),
+        settings, workload, step, model_state, max_steps)
+
   kfac = dict(learning_rate=args.kfac_lr, damping=args.kfac_damping,
               momentum=args.kfac_momentum, ema_decay=0.95,
               inverse_update_period=args.inverse_period, estimation="fisher",
               inverse=args.kfac_inverse,
               norm_constraint=None)  # matched with kfac-jax: no KL clipping
-  contenders = [optax_contender(
-      "kfac_optax", "kfac_optax", kfac_optax_tx(workload, example_batch, **kfac),
-      kfac, workload, step)]
+  contenders = [ours("kfac_optax", kfac, args.matched_steps)]
+  if args.recipe:
+    contenders.append(ours(RECIPE_NAME, RECIPE))
   if args.tuned:
-    tuned = {**kfac, **args.tuned}
-    contenders.append(optax_contender(
-        "kfac_optax (tuned)", "kfac_optax",
-        kfac_optax_tx(workload, example_batch, **tuned), tuned, workload, step))
+    contenders.append(ours("kfac_optax (tuned)", {**kfac, **args.tuned}))
   if args.adaptive:
-    adaptive = {**kfac, **KFAC_OPTAX_ADAPTIVE}
-    contenders.append(optax_contender(
-        "kfac_optax (adaptive)", "kfac_optax",
-        kfac_optax_tx(workload, example_batch, **adaptive), adaptive, workload,
-        step))
+    contenders.append(ours("kfac_optax (adaptive)", {**kfac, **KFAC_OPTAX_ADAPTIVE},
+                           args.matched_steps))
   contenders += [optax_contender(f"adam lr={lr:g}", "adam", optax.adam(lr),
-                                 dict(learning_rate=lr), workload, step)
-                 for lr in args.adam_lrs]
+                                 dict(learning_rate=lr), workload, step,
+                                 model_state) for lr in args.adam_lrs]
   if kfac_jax is not None:
     loss_fn = kfac_jax_loss(workload, kfac_jax)
     matched = dict(curvature_ema=kfac["ema_decay"],
@@ -311,11 +359,11 @@ def make_contenders(workload, args, kfac_jax):
     contenders.append(kfac_jax_contender(
         KFAC_JAX_MATCHED, kfac_jax, loss_fn, example_batch, args.seed,
         settings={**fixed, **matched}, optimizer_kwargs=matched,
-        step_kwargs=fixed, max_steps=args.kfac_jax_steps))
+        step_kwargs=fixed, max_steps=args.kfac_jax_steps or args.matched_steps))
     contenders.append(kfac_jax_contender(
         "kfac-jax (adaptive)", kfac_jax, loss_fn, example_batch, args.seed,
         settings=KFAC_JAX_ADAPTIVE, optimizer_kwargs=KFAC_JAX_ADAPTIVE,
-        step_kwargs={}, max_steps=args.kfac_jax_steps))
+        step_kwargs={}, max_steps=args.kfac_jax_steps or args.matched_steps))
   return contenders
 
 
@@ -324,17 +372,32 @@ def make_contenders(workload, args, kfac_jax):
 
 
 class Batches:
-  """Device batch and random key of every step, the same for all contenders."""
+  """Device batch and random key of every step, the same for all contenders.
 
-  def __init__(self, workload: Workload, steps: int, seed: int):
+  The batches are those of ``mlp_classifier.batch_order`` (a fresh
+  permutation each epoch, the ragged end dropped), drawn as far as a race
+  gets: a wall-clock race has no step count known in advance.
+  """
+
+  def __init__(self, workload: Workload, seed: int):
     self.workload, self.key, self.cached = workload, jax.random.key(seed + 1), {}
-    self.order = mlp_classifier.batch_order(
-        workload.num_examples, workload.batch_size, steps, seed)
+    self.per_epoch = workload.num_examples // workload.batch_size
+    if self.per_epoch == 0:
+      raise ValueError(f"batch size {workload.batch_size} exceeds the "
+                       f"{workload.num_examples} examples")
+    self.rng, self.epochs = np.random.default_rng(seed), []
+
+  def indices(self, i):
+    epoch, position = divmod(i, self.per_epoch)
+    while len(self.epochs) <= epoch:
+      self.epochs.append(self.rng.permutation(self.workload.num_examples))
+    size = self.workload.batch_size
+    return self.epochs[epoch][position * size:(position + 1) * size]
 
   def __call__(self, i):
     if i not in self.cached:  # keep only the current step's
       self.cached = {i: jax.block_until_ready((
-          jax.device_put(self.workload.batch(self.order[i])),
+          jax.device_put(self.workload.batch(self.indices(i))),
           jax.random.fold_in(self.key, i)))}
     return self.cached[i]
 
@@ -367,19 +430,30 @@ def warm_up(contenders, params, batches, steps):
   return compile_s, failed
 
 
-def race(contenders, params, batches, steps, log_every=0, load=None):
+def race(contenders, params, batches, steps, log_every=0, load=None,
+         budget_s=None):
   """One timed run, the contenders' steps interleaved round-robin.
 
-  A contender stops at its ``max_steps`` or when its loss is not finite.
+  A contender stops after ``steps`` (None: no limit), at its ``max_steps``,
+  once its step times add up to ``budget_s`` seconds (None: no limit), or
+  when its loss is not finite.
 
   Returns:
     ``{name: {"step_s": [...], "loss": [...]}}``.
   """
+  if steps is None and budget_s is None:
+    raise ValueError("a race needs steps or budget_s")
   states = jax.block_until_ready({c.name: c.start(params) for c in contenders})
   record = {c.name: dict(step_s=[], loss=[]) for c in contenders}
-  for i in range(steps):
-    active = [c for c in contenders if i < (c.max_steps or steps)
-              and all(map(math.isfinite, record[c.name]["loss"][-1:]))]
+
+  def running(contender, i):
+    done = record[contender.name]
+    return (i < min(contender.max_steps or math.inf, steps or math.inf)
+            and all(map(math.isfinite, done["loss"][-1:]))
+            and (budget_s is None or sum(done["step_s"]) < budget_s))
+
+  for i in itertools.count():
+    active = [c for c in contenders if running(c, i)]
     if not active:
       break
     shift = i % len(active)
@@ -420,18 +494,10 @@ class LoadSampler:
 
 def trailing_mean(values, window=WINDOW):
   """Mean of the last ``window`` values at every position (fewer at the start)."""
-  cumulative = np.concatenate([[0.0], np.cumsum(np.asarray(values, np.float64))])
-  ends = np.arange(1, len(values) + 1)
-  starts = np.maximum(0, ends - window)
-  return (cumulative[ends] - cumulative[starts]) / (ends - starts)
+  return mlp_classifier.trailing_mean(values, window)
 
 
-def first_reach(smoothed, step_s, target):
-  """``(steps, seconds)`` until ``smoothed`` first is <= ``target``, or Nones."""
-  hits = np.flatnonzero(np.asarray(smoothed) <= target)
-  if not len(hits):
-    return None, None
-  return int(hits[0]) + 1, float(np.sum(step_s[:hits[0] + 1]))
+first_reach = mlp_classifier.first_reach
 
 
 def ratio(a, b):
@@ -442,11 +508,15 @@ def median_or_none(values):
   return None if not values or None in values else float(np.median(values))
 
 
-def summarize(contenders, records, compile_s, target_steps, key_step):
+def summarize(contenders, records, compile_s, target_steps, key_step,
+              budget_s=None):
   """Per-contender rows (timings: medians over the repeats) and the targets.
 
-  Loss curves, final losses and steps to targets come from the first repeat
-  (runs are deterministic); seconds to targets are medians over repeats.
+  Targets: for each step k of ``target_steps`` the lowest smoothed loss any
+  Adam had at step k ("T{k}"); with ``budget_s``, the lowest smoothed loss
+  any Adam had when its budget ran out ("B{budget_s}s"). Loss curves, final
+  losses and steps to targets come from the first repeat (runs are
+  deterministic); seconds to targets are medians over repeats.
   """
   rows = {}
   for c in contenders:
@@ -466,12 +536,19 @@ def summarize(contenders, records, compile_s, target_steps, key_step):
   adams = [n for n, r in rows.items() if r["family"] == "adam"
            and r["final_loss"] is not None and math.isfinite(r["final_loss"])]
   best_adam = min(adams, key=lambda n: rows[n]["final_loss"]) if adams else None
+
+  def lowest(losses_by_adam, **target):
+    if losses_by_adam:
+      source = min(losses_by_adam, key=losses_by_adam.get)
+      targets.append(dict(target, loss=float(losses_by_adam[source]), source=source))
+
   targets = []
   for step in target_steps:
-    at = {n: rows[n]["smoothed"][min(step, rows[n]["steps"]) - 1] for n in adams}
-    if at:
-      source = min(at, key=at.get)
-      targets.append(dict(step=step, loss=float(at[source]), source=source))
+    lowest({n: rows[n]["smoothed"][min(step, rows[n]["steps"]) - 1] for n in adams},
+           label=f"T{step}", step=step)
+  if budget_s is not None:
+    lowest({n: rows[n]["final_loss"] for n in adams},
+           label=f"B{budget_s:g}s", budget_s=budget_s)
   for name, row in rows.items():
     row["to_target"] = []
     for target in targets:
@@ -483,28 +560,37 @@ def summarize(contenders, records, compile_s, target_steps, key_step):
     target["adam_seconds"] = rows[target["source"]]["to_target"][target_index]["seconds"]
 
   reference = rows.get(KFAC_JAX_MATCHED, {})
-  key = [i for i, t in enumerate(targets) if t["step"] == key_step]
+
+  def time_vs_adam(row, label):
+    index = [i for i, t in enumerate(targets) if t["label"] == label]
+    return ratio(row["to_target"][index[0]]["seconds"],
+                 targets[index[0]]["adam_seconds"]) if index else None
+
   for row in rows.values():
     for stat in ("mean_ms", "median_ms"):
       row[f"{stat[:-3]}_vs_adam"] = ratio(
           row[stat], rows[best_adam][stat] if best_adam else None)
       row[f"{stat[:-3]}_vs_kfac_jax"] = ratio(row[stat], reference.get(stat))
-    row["key_target_time_vs_adam"] = ratio(
-        row["to_target"][key[0]]["seconds"], targets[key[0]]["adam_seconds"]
-    ) if key else None
+    row["key_target_time_vs_adam"] = time_vs_adam(row, f"T{key_step}")
+    row["budget_target_time_vs_adam"] = (
+        time_vs_adam(row, f"B{budget_s:g}s") if budget_s is not None else None)
   return rows, dict(best_adam=best_adam, targets=targets, key_target_step=key_step,
-                    repeats=len(records), window=WINDOW)
+                    budget_s=budget_s, repeats=len(records), window=WINDOW)
 
 
 def check_goals(goals, rows):
   out = []
   for goal in goals:
     for name, row in rows.items():
-      if row["family"] == "kfac_optax":
+      if row["family"] == "kfac_optax" and (
+          goal.contenders is None or name in goal.contenders):
         measured = row.get(goal.field)
+        if measured is not None:
+          met = measured <= goal.limit
+        else:  # a target this contender ran for and did not reach is missed
+          met = False if "target_time" in goal.field and row["steps"] else None
         out.append(dict(goal=goal.text, contender=name, measured=measured,
-                        limit=goal.limit,
-                        met=None if measured is None else measured <= goal.limit))
+                        limit=goal.limit, met=met))
   return out
 
 
@@ -615,21 +701,25 @@ def markdown_section(payload):
       f"(median {load['median']:.1f}); BLAS: {', '.join(env['blas'])}",
       "- **Versions:** " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
       f"- **Workload:** {payload['description']} Batch {config['batch_size']}, "
-      f"{config['steps']} steps per timed run, {summary['repeats']} timed "
-      f"run(s), seed {config['seed']}.",
+      + (f"{config['budget_s']:g} s of step time per contender"
+         if config.get("budget_s") else f"{config['steps']} steps")
+      + f" per timed run, {summary['repeats']} timed run(s), seed "
+      f"{config['seed']}.",
       "- **Protocol:** see `benchmarks/harness.py`: same init, batches and "
       "keys for all; compilation in a discarded warm-up; steps interleaved "
       "round-robin; timings are medians over the timed runs. Mean ms/step "
       "includes the inverse refreshes. Targets T*k* = the lowest smoothed "
-      f"(trailing mean of {WINDOW}) loss any Adam had at step *k*; cells give "
-      "steps / seconds to reach it (— = not reached).",
+      f"(trailing mean of {WINDOW}) loss any Adam had at step *k*"
+      + ("; B*s*s = the lowest smoothed loss any Adam had when its *s* "
+         "seconds of step time ran out" if config.get("budget_s") else "")
+      + "; cells give steps / seconds to reach it (— = not reached).",
   ]
   if payload["kfac_jax_unavailable"]:
     lines.append(f"- **kfac-jax not run:** {payload['kfac_jax_unavailable']}")
   lines += [f"- **{name} failed:** `{error}`"
             for name, error in payload["failed"].items()]
   header = ["contender", "median ms/step", "mean ms/step", "compile s",
-            "final loss"] + [f"T{t['step']} = {t['loss']:.4g}" for t in targets] + [
+            "final loss"] + [f"{t['label']} = {t['loss']:.4g}" for t in targets] + [
                 "mean / best Adam", "mean / kfac-jax (matched)"]
   lines += ["", "| " + " | ".join(header) + " |",
             "|---|" + "---:|" * (len(header) - 1)]
@@ -642,14 +732,15 @@ def markdown_section(payload):
     lines.append("| " + " | ".join(cells) + " |")
   lines += ["", f"Best Adam: {summary['best_adam']}. Settings:", ""]
   lines += [f"- {name}: " + ", ".join(f"{k}={v}" for k, v in row["settings"].items())
-            + (f" ({row['steps']} steps)" if row["steps"] != config["steps"] else "")
-            for name, row in rows.items()]
+            + f" ({row['steps']} steps)" for name, row in rows.items()]
   if payload["goals"]:
     lines += ["", "| issue target | contender | measured | met |",
               "|---|---|---:|---|"]
     lines += [f"| {g['goal']} (<= {g['limit']:g}) | {g['contender']} | "
               f"{fmt(g['measured'], '.2f')} | "
-              f"{ {True: 'yes', False: '**no**', None: 'not measured'}[g['met']]} |"
+              + ("yes" if g["met"] else "not measured" if g["met"] is None
+                 else "**no**" + (" (not reached)" if g["measured"] is None else ""))
+              + " |"
               for g in payload["goals"]]
   lines += ["", f"![{payload['name']}](results/{payload['name']}.png) "
             f"Raw data: `benchmarks/results/{payload['name']}.json`."]
@@ -694,9 +785,15 @@ def parse_args(argv, defaults: dict, description: str):
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument("--quick", action="store_true",
                       help="smoke test: a smaller workload, a few steps, one "
-                      "run, results to a temporary directory only")
-  parser.add_argument("--steps", type=int, help="timed steps per run")
-  parser.add_argument("--repeats", type=int, default=2, help="timed runs")
+                      "run, one Adam, results to a temporary directory only")
+  parser.add_argument("--steps", type=int, help="timed steps per run (with "
+                      "--budget-s: at most)")
+  parser.add_argument("--budget-s", type=float, help="seconds of step time "
+                      "per contender in a timed run (compilation excluded); "
+                      "sets the target B<s>s from the best Adam")
+  parser.add_argument("--matched-steps", type=int, help="with --budget-s: "
+                      "steps of the contenders paired with kfac-jax")
+  parser.add_argument("--repeats", type=int, default=1, help="timed runs")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--kfac-lr", type=float)
   parser.add_argument("--kfac-damping", type=float)
@@ -705,6 +802,9 @@ def parse_args(argv, defaults: dict, description: str):
                       choices=["cholesky", "eigh"],
                       help="cholesky matches kfac-jax's (LU) damped inverses")
   parser.add_argument("--inverse-period", type=int, default=5)
+  parser.add_argument("--recipe", action=argparse.BooleanOptionalAction,
+                      default=True, help=f"a kfac_optax with the README's "
+                      f"recommended settings ({RECIPE})")
   parser.add_argument("--tuned", type=_settings,
                       help="a second kfac_optax, e.g. 'learning_rate=0.1,"
                       "damping=1' (any kfac_optax.kfac keyword); 'none': off")
@@ -726,10 +826,13 @@ def parse_args(argv, defaults: dict, description: str):
   parser.add_argument("--log-every", type=int, default=20)
   parser.set_defaults(**{k: v for k, v in defaults.items() if k != "quick_steps"})
   args = parser.parse_args(argv)
-  if args.quick:
+  if args.quick:  # one Adam: the others differ only in a number
     args.steps, args.repeats = defaults["quick_steps"], 1
-    args.kfac_jax_steps, args.log_every = None, 0
-    args.target_steps = [min(s, args.steps) for s in args.target_steps]
+    args.adam_lrs = args.adam_lrs[:1]
+    args.kfac_jax_steps, args.log_every, args.budget_s = None, 0, None
+  if args.budget_s is None:
+    args.matched_steps = None
+    args.target_steps = sorted({min(s, args.steps) for s in args.target_steps})
     args.key_target_step = args.target_steps[-1]
   if args.out_dir is None and not args.quick:
     args.out_dir = RESULTS_DIR
@@ -749,6 +852,15 @@ def _settings(text):
   return {} if text.lower() == "none" else {k: value(v) for k, v in pairs}
 
 
+def initial_variables(workload: Workload, seed: int):
+  """``(params, model_state)``: the model's initial variables, split."""
+  variables = dict(workload.model.init(
+      jax.random.key(seed),
+      workload.inputs(workload.batch(np.arange(workload.batch_size)))))
+  params = variables.pop("params")
+  return params, {k: variables[k] for k in workload.mutable}
+
+
 def main(make_workload, goals, defaults, argv=None, script=None):
   """Runs one benchmark end to end; returns its results (the JSON payload).
 
@@ -764,17 +876,18 @@ def main(make_workload, goals, defaults, argv=None, script=None):
   command = " ".join(["python", os.path.relpath(script or sys.argv[0], REPO_ROOT),
                       *(sys.argv[1:] if argv is None else argv)])
   workload = make_workload(args.quick)
-  params = workload.model.init(
-      jax.random.key(args.seed),
-      workload.inputs(workload.batch(np.arange(workload.batch_size))))["params"]
+  params, model_state = initial_variables(workload, args.seed)
   print(f"{workload.title}: {workload.num_examples} examples, batch "
-        f"{workload.batch_size}, {args.steps} steps x {args.repeats} run(s)",
-        flush=True)
-  kfac_jax, unavailable = import_kfac_jax(args.kfac_jax)
+        f"{workload.batch_size}, " + (f"{args.budget_s:g} s" if args.budget_s
+                                      else f"{args.steps} steps")
+        + f" x {args.repeats} run(s)", flush=True)
+  kfac_jax, unavailable = import_kfac_jax(
+      "skip" if workload.kfac_jax_unsupported else args.kfac_jax)
+  unavailable = workload.kfac_jax_unsupported or unavailable
   if unavailable:
     print(f"NOTE: kfac-jax not run: {unavailable}", flush=True)
-  contenders = make_contenders(workload, args, kfac_jax)
-  batches = Batches(workload, max(args.steps, WARMUP_STEPS), args.seed)
+  contenders = make_contenders(workload, args, kfac_jax, model_state)
+  batches = Batches(workload, args.seed)
   load = LoadSampler()
   with single_threaded_lapack():
     env = environment()
@@ -788,9 +901,9 @@ def main(make_workload, goals, defaults, argv=None, script=None):
     for repeat in range(args.repeats):
       print(f"timed run {repeat + 1}/{args.repeats}:", flush=True)
       records.append(race(contenders, params, batches, args.steps,
-                          args.log_every, load))
+                          args.log_every, load, args.budget_s))
   rows, summary = summarize(contenders, records, compile_s, args.target_steps,
-                            args.key_target_step)
+                            args.key_target_step, args.budget_s)
   name = workload.name + backend_suffix()
   title = workload.title + (f" on GPU ({env['accelerator']})"
                             if env["accelerator"] else "")
@@ -799,7 +912,8 @@ def main(make_workload, goals, defaults, argv=None, script=None):
       command=command, date=datetime.datetime.now(datetime.timezone.utc).strftime(
           "%Y-%m-%d %H:%M UTC"),
       environment=env, load_average=load.summary(),
-      config=dict(steps=args.steps, batch_size=workload.batch_size,
+      config=dict(steps=args.steps, budget_s=args.budget_s,
+                  batch_size=workload.batch_size,
                   num_examples=workload.num_examples, seed=args.seed,
                   quick=args.quick, warmup_steps=WARMUP_STEPS),
       kfac_jax_unavailable=unavailable, failed=failed, rows=rows,

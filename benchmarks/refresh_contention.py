@@ -18,14 +18,15 @@ True: pass"``, started and stopped here):
    mean eigenvalue, as the example's factors: their damped condition
    numbers are 4 to 120).
 2. The README's main example (`examples/mlp_classifier.py`: MLP
-   784-256-128-10, batch 256, K-FAC lr 0.01, damping 1e-2, momentum 0.9,
-   inverses every 5 steps; Adam 3e-3): K-FAC with each inverse method and
-   Adam, their steps interleaved (`harness.race`), mean ms per step
-   (refreshes included).
+   784-256-128-10, batch 256, K-FAC at the example's settings, the README's
+   recipe: lr 0.03, damping 1e-2, momentum 0.9, statistics every 10 steps,
+   inverses every 50; Adam 3e-3): K-FAC with each inverse method and Adam,
+   their steps interleaved (`harness.race`), mean ms per step (refreshes
+   included).
 3. Newton-Schulz iterations on the README example's own factors: K-FAC
    (Cholesky) trains it for ``--iteration-steps`` steps; at every 50th step
    each damped factor is inverted from the scaled identity and from the
-   refresh five steps before.
+   previous refresh's inverse (at the example's period, 50 steps before).
 
 Writes ``results/refresh_contention.json`` and a RESULTS.md section.
 
@@ -130,7 +131,10 @@ def mlp_example(quick: bool):
   racers = []
   for inverse in KFAC_INVERSES:
     settings = dict(learning_rate=args.kfac_lr, momentum=args.kfac_momentum,
-                    damping=args.kfac_damping, inverse=inverse)
+                    damping=args.kfac_damping,
+                    stats_update_period=args.kfac_stats_period,
+                    inverse_update_period=args.kfac_inverse_period,
+                    inverse=inverse)
     racers.append(harness.optax_contender(
         f"K-FAC {inverse}", "kfac_optax",
         harness.kfac_optax_tx(workload, example_batch, **settings), settings,
@@ -147,7 +151,7 @@ def example_iterations(steps: int, every: int = 50):
   kfac = next(r for r in racers if r.name == "K-FAC cholesky")
   params = workload.model.init(jax.random.key(0), workload.inputs(
       workload.batch(np.arange(workload.batch_size))))["params"]
-  batches, state = harness.Batches(workload, steps, 0), kfac.start(params)
+  batches, state = harness.Batches(workload, 0), kfac.start(params)
   counts, previous = {}, None
   for i in range(steps):
     state, _ = kfac.step(state, *batches(i), i)
@@ -162,7 +166,7 @@ def example_iterations(steps: int, every: int = 50):
           counts.setdefault(f"{key} {name} {matrix.shape[0]}", []).append(tuple(
               int(linalg.newton_schulz_inverse(matrix, damping, *start).iterations)
               for start in ((), (old,))))
-    if i % 5 == 0:  # the inverses of this step's refresh (the state is donated)
+    if i % 5 == 0:  # the inverses in use after this step (the state is donated)
       previous = jax.tree.map(jnp.copy, curvature.inverses)
   return counts
 
@@ -173,7 +177,7 @@ def example_race(quick: bool, steps: int):
   workload, racers = mlp_example(quick)
   params = workload.model.init(jax.random.key(0), workload.inputs(
       workload.batch(np.arange(workload.batch_size))))["params"]
-  batches = harness.Batches(workload, max(steps, harness.WARMUP_STEPS), 0)
+  batches = harness.Batches(workload, 0)
   _, failed = harness.warm_up(racers, params, batches, harness.WARMUP_STEPS)
   if failed:
     raise RuntimeError(f"contenders failed: {failed}")
@@ -220,7 +224,7 @@ def markdown(payload) -> str:
         f"{quiet / ex['quiet']['Adam']['mean_ms']:.2f} | "
         f"{busy / ex['busy']['Adam']['mean_ms']:.2f} |")
   lines += ["", "Newton-Schulz iterations (from the scaled identity / from the "
-            "refresh 5 steps before) on the example's own damped factors, at "
+            "previous refresh, 50 steps before) on the example's own damped factors, at "
             "steps " + ", ".join(str(50 * (i + 1)) for i in range(
                 len(next(iter(payload["iterations"].values()))))) + ":", "",
             "| factor (layer, side, size) | cold | warm |", "|---|---|---|"]

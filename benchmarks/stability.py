@@ -144,7 +144,7 @@ def run_model(problem, configs, adam_lrs, steps, seed, log_every, load,
                    if kfac_jax else []))
   # kfac-jax compiles its damping-adaptation step on first use (its fifth).
   warm_up_steps = harness.WARMUP_STEPS if kfac_jax else 1
-  batches = harness.Batches(problem, max(steps, warm_up_steps), seed)
+  batches = harness.Batches(problem, seed)
   compile_s, failed = harness.warm_up(contenders, problem.params, batches,
                                       warm_up_steps)
   contenders = [c for c in contenders if c.name not in failed]

@@ -165,7 +165,7 @@ def train(problem: Problem, tx, steps: int, seed: int = 0):
     float64 array of length ``steps``.
   """
   step, state = problem.train_step(tx), problem.init_state(tx)
-  batches = harness.Batches(problem, steps, seed)
+  batches = harness.Batches(problem, seed)
   losses = []
   with harness.single_threaded_lapack():
     for i in range(steps):

@@ -144,7 +144,7 @@ def profile(workload, settings, inverse_period, steps, profile_steps):
   params = workload.model.init(
       jax.random.key(0),
       workload.inputs(workload.batch(np.arange(workload.batch_size))))["params"]
-  batches = harness.Batches(workload, steps + profile_steps + 2, seed=0)
+  batches = harness.Batches(workload, seed=0)
   contenders = variants(workload, settings, inverse_period)
   with harness.single_threaded_lapack():
     harness.warm_up(contenders, params, batches, 2)

@@ -7,6 +7,7 @@ the two K-FACs step by step is skipped with that reason.
 
 import json
 import math
+import time
 import warnings
 
 import jax
@@ -19,12 +20,18 @@ from benchmarks import autoencoder
 from benchmarks import convnet
 from benchmarks import forward_sharing
 from benchmarks import harness
+from benchmarks import resnet
 from benchmarks import step_profile
+from benchmarks import transformer_lm
 
 KFAC_JAX, WHY_NO_KFAC_JAX = harness.import_kfac_jax()
 
 
-@pytest.mark.parametrize("module", [autoencoder, convnet], ids=["autoencoder", "convnet"])
+WORKLOADS = [autoencoder, convnet, transformer_lm, resnet]
+
+
+@pytest.mark.parametrize("module", WORKLOADS,
+                         ids=[m.__name__.split(".")[-1] for m in WORKLOADS])
 def test_quick_mode_runs_every_contender_and_writes_reports(module, tmp_path):
   markdown = tmp_path / "RESULTS.md"
   argv = ["--quick", "--out-dir", str(tmp_path), "--markdown", str(markdown)]
@@ -33,11 +40,14 @@ def test_quick_mode_runs_every_contender_and_writes_reports(module, tmp_path):
     argv += ["--kfac-jax", "skip"]
   results = module.main(argv)
 
-  expected = {"kfac_optax", "kfac_optax (tuned)",
-              *(f"adam lr={lr:g}" for lr in module.DEFAULTS["adam_lrs"])}
+  expected = {"kfac_optax", harness.RECIPE_NAME,
+              f"adam lr={module.DEFAULTS['adam_lrs'][0]:g}"}
+  if module.DEFAULTS.get("tuned"):
+    expected.add("kfac_optax (tuned)")
   if module.DEFAULTS.get("adaptive"):
     expected.add("kfac_optax (adaptive)")
-  if KFAC_JAX is not None:
+  runs_kfac_jax = KFAC_JAX is not None and not module.workload(True).kfac_jax_unsupported
+  if runs_kfac_jax:
     expected |= {harness.KFAC_JAX_MATCHED, "kfac-jax (adaptive)"}
   else:
     assert results["kfac_jax_unavailable"]
@@ -51,7 +61,9 @@ def test_quick_mode_runs_every_contender_and_writes_reports(module, tmp_path):
     assert row["median_ms"] > 0 and row["compile_s"] > 0, name
   assert rows["kfac_optax"]["mean_vs_adam"] > 0
   kfacs = [name for name in expected if name.startswith("kfac_optax")]
-  assert len(results["goals"]) == len(module.GOALS) * len(kfacs)
+  assert len(results["goals"]) == sum(
+      len(kfacs if goal.contenders is None else set(goal.contenders) & set(kfacs))
+      for goal in module.GOALS)
 
   saved = json.loads((tmp_path / f"{module.__name__.split('.')[-1]}.json").read_text())
   assert set(saved["rows"]) == expected
@@ -87,6 +99,69 @@ def test_markdown_section_is_replaced_in_place(tmp_path):
   text = path.read_text()
   assert "second" in text and "first" not in text and "kept" in text
   assert text.count("<!-- mine:begin") == 1
+
+
+class _Sleeper:
+  """A contender whose steps take ``seconds`` each and whose loss is its step."""
+
+  def __init__(self, name, family, seconds, losses=None, max_steps=None):
+    self.name, self.family, self.settings = name, family, {}
+    self.seconds, self.losses, self.max_steps = seconds, losses, max_steps
+
+  def start(self, params):
+    return jnp.zeros([])
+
+  def step(self, state, batch, rng, i):
+    time.sleep(self.seconds)
+    return state, jnp.asarray(self.losses[i] if self.losses else float(i))
+
+
+class _NoBatches:
+  def __call__(self, i):
+    return None, None
+
+
+def test_wall_clock_race_stops_each_contender_at_its_budget():
+  budget = 0.2
+  fast = _Sleeper("fast", "adam", 0.01)
+  slow = _Sleeper("slow", "kfac_optax", 0.05)
+  capped = _Sleeper("capped", "kfac_optax", 0.01, max_steps=3)
+  record = harness.race([fast, slow, capped], None, _NoBatches(), None,
+                        budget_s=budget)
+  for name in ("fast", "slow"):
+    step_s = record[name]["step_s"]
+    assert sum(step_s[:-1]) < budget <= sum(step_s), name
+  assert len(record["fast"]["step_s"]) > 2 * len(record["slow"]["step_s"])
+  assert len(record["capped"]["step_s"]) == 3
+  with pytest.raises(ValueError, match="steps or budget_s"):
+    harness.race([fast], None, _NoBatches(), None)
+
+
+def test_budget_target_is_the_best_adams_final_loss_and_its_own_time():
+  """B<s>s: the lowest final smoothed loss of any Adam; ratios of seconds to it."""
+  def record(losses, seconds):
+    return dict(loss=list(losses), step_s=[seconds] * len(losses))
+  adam_a = [5.0] * 4 + [1.0] * 16  # ends lowest: the target, 1.0
+  adam_b = [3.0] * 30
+  kfac = [4.0, 2.0, 1.0] + [0.5] * 12
+  contenders = [_Sleeper("adam a", "adam", 0), _Sleeper("adam b", "adam", 0),
+                _Sleeper("kfac", "kfac_optax", 0)]
+  records = [{"adam a": record(adam_a, 1.0), "adam b": record(adam_b, 1.0),
+              "kfac": record(kfac, 2.0)}]
+  rows, summary = harness.summarize(contenders, records, {}, [2], 2, budget_s=20.0)
+  budget_target = summary["targets"][-1]
+  assert budget_target["label"] == "B20s" and budget_target["source"] == "adam a"
+  window = harness.WINDOW
+  assert budget_target["loss"] == pytest.approx(np.mean(adam_a[-window:]))
+  reach = lambda losses, seconds: harness.first_reach(
+      harness.trailing_mean(losses), [seconds] * len(losses), budget_target["loss"])
+  adam_steps, adam_seconds = reach(adam_a, 1.0)
+  kfac_steps, kfac_seconds = reach(kfac, 2.0)
+  assert budget_target["adam_seconds"] == adam_seconds == adam_steps * 1.0
+  assert rows["kfac"]["to_target"][-1] == dict(steps=kfac_steps, seconds=kfac_seconds)
+  assert rows["kfac"]["budget_target_time_vs_adam"] == pytest.approx(
+      kfac_seconds / adam_seconds)
+  assert rows["adam b"]["budget_target_time_vs_adam"] is None  # never reached
 
 
 def test_targets_use_the_smoothed_loss_and_summed_step_times():
