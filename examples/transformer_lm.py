@@ -23,7 +23,7 @@ the same order (random start offsets, drawn without replacement from a seeded
 permutation); K-FAC also gets a fresh random key per step to sample targets
 from the model for its Fisher estimate. At the end the script prints loss and
 bits per character on the training and validation text and the time per step,
-and saves both training-loss curves to a PNG.
+and saves both training-loss curves (against steps and seconds) to a PNG.
 
 From the repository root::
 
@@ -287,19 +287,20 @@ def main(argv=None):
     state = kfac_optax.TrainState.create(
         apply_fn=model.apply, params=params, tx=tx)
     state = jax.tree.map(jnp.copy, state)  # the step donates its state
-    state, curves[name], seconds = train(
+    state, losses, seconds = train(
         name, state, step_fn, train_ids, order, args.seq_len, args.seed)
+    curves[name] = (losses, seconds)
     metrics = {
         "train_loss": evaluate(state.params, train_ids, eval_starts["train"]),
         "validation_loss": evaluate(state.params, validation_ids,
                                     eval_starts["validation"]),
     }
-    tail = max(1, len(curves[name]) // 10)
+    tail = max(1, len(losses) // 10)
     metrics.update(
         train_bpc=metrics["train_loss"] / math.log(2),
         validation_bpc=metrics["validation_loss"] / math.log(2),
-        last_batch_loss=float(np.mean(curves[name][-tail:])),
-        first_loss=float(curves[name][0]),
+        last_batch_loss=float(np.mean(losses[-tail:])),
+        first_loss=float(losses[0]),
         ms_per_step=1e3 * float(np.median(seconds[1:] if len(seconds) > 1
                                           else seconds)),
         compile_seconds=float(seconds[0]),
