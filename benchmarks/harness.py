@@ -830,10 +830,10 @@ def parse_args(argv, defaults: dict, description: str):
     args.steps, args.repeats = defaults["quick_steps"], 1
     args.adam_lrs = args.adam_lrs[:1]
     args.kfac_jax_steps, args.log_every, args.budget_s = None, 0, None
-  if args.budget_s is None:
-    args.matched_steps = None
     args.target_steps = sorted({min(s, args.steps) for s in args.target_steps})
     args.key_target_step = args.target_steps[-1]
+  if args.budget_s is None:
+    args.matched_steps = None
   if args.out_dir is None and not args.quick:
     args.out_dir = RESULTS_DIR
   if args.markdown is None and not args.quick:
