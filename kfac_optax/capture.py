@@ -103,14 +103,7 @@ class _Interceptor:
     owner = self._owner(module)
     previous_calls = owner.get_variable(INPUTS, input_name(method), ())
     output = next_fun(*args, **kwargs)
-    if method == CALL:
-      self.busy = True
-      try:
-        captured = kind.captured_input(module, args, kwargs, output)
-      finally:
-        self.busy = False
-    else:  # other methods record their first argument
-      captured = args[0] if args else next(iter(kwargs.values()))
+    captured = call_input(self, kind, module, method, args, kwargs, output)
     owner.sow(INPUTS, input_name(method), captured)
     if self.layouts is not None and method == CALL:
       self._record(tuple(owner.path), kind.layout(module, captured, output))
@@ -132,6 +125,24 @@ class _Interceptor:
           "\nFix: make apply_fn one model.apply, with every layer a submodule "
           "of that model.")
     record_layout(self.layouts, path, layout)
+
+
+def call_input(hooks: Any, kind: Any, module: Any, method: str, args: tuple,
+               kwargs: dict, output: Any) -> Any:
+  """The input a captured call records, for linen's and NNX's hooks alike.
+
+  ``__call__`` records its kind's ``captured_input``, computed with
+  ``hooks.busy`` set so that the module calls it makes itself are not
+  captured as calls of their own; other methods (``attend``) record their
+  first argument.
+  """
+  if method != CALL:
+    return args[0] if args else next(iter(kwargs.values()))
+  hooks.busy = True
+  try:
+    return kind.captured_input(module, args, kwargs, output)
+  finally:
+    hooks.busy = False
 
 
 def record_layout(found: dict[Path, Any], path: Path, layout: Any) -> None:

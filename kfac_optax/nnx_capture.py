@@ -109,14 +109,7 @@ class _Recorder:
       return original(module, *args, **kwargs)
     calls = self.inputs.setdefault((path, method), [])
     output = original(module, *args, **kwargs)
-    if method == capture.CALL:
-      self.busy = True
-      try:
-        captured = kind.captured_input(module, args, kwargs, output)
-      finally:
-        self.busy = False
-    else:  # other methods record their first argument
-      captured = args[0] if args else next(iter(kwargs.values()))
+    captured = capture.call_input(self, kind, module, method, args, kwargs, output)
     index = len(calls)
     calls.append(None if lifted else captured)
     if not self.discovering:
