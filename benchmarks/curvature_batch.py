@@ -31,8 +31,6 @@ from benchmarks import autoencoder  # pylint: disable=wrong-import-position
 from benchmarks import convnet  # pylint: disable=wrong-import-position
 from benchmarks import harness  # pylint: disable=wrong-import-position
 
-import jax  # pylint: disable=wrong-import-position,wrong-import-order
-
 WORKLOADS = {"autoencoder": (autoencoder, 1e-3), "convnet": (convnet, 1e-2)}
 FRACTIONS = (1, 2, 4)  # n = B / fraction
 LOSS_STEPS = (50, 100, 200)
@@ -111,20 +109,9 @@ def main(argv=None):
   module, adam_lr = WORKLOADS[args.workload]
   workload = module.workload(args.quick)
   steps, key_step = (3, 3) if args.quick else (args.steps, args.key_step)
-  params = workload.model.init(
-      jax.random.key(args.seed),
-      workload.inputs(workload.batch(np.arange(workload.batch_size))))["params"]
   racers = contenders(workload, module, adam_lr)
-  batches = harness.Batches(workload, args.seed)
-  load = harness.LoadSampler()
-  with harness.single_threaded_lapack():
-    env = harness.environment()
-    compile_s, failed = harness.warm_up(racers, params, batches,
-                                        1 if args.quick else harness.WARMUP_STEPS)
-    if failed:
-      raise RuntimeError(f"contenders failed: {failed}")
-    records = [harness.race(racers, params, batches, steps, 0 if args.quick else 20,
-                            load)]
+  env, load, compile_s, records = harness.interleaved_run(
+      workload, racers, steps, args.seed, args.quick)
   rows, summary = harness.summarize(racers, records, compile_s, [key_step], key_step)
   name = f"curvature_batch_{workload.name}{harness.backend_suffix()}"
   payload = dict(
@@ -132,7 +119,7 @@ def main(argv=None):
       command=" ".join(["python benchmarks/curvature_batch.py",
                         *(sys.argv[1:] if argv is None else argv)]),
       date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-      environment=env, load_average=load.summary(),
+      environment=env, load_average=load,
       config=dict(steps=steps, batch_size=workload.batch_size, seed=args.seed,
                   quick=args.quick),
       loss_steps=[s for s in LOSS_STEPS if s <= steps] or [steps],

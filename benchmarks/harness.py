@@ -89,10 +89,12 @@ KFAC_OPTAX_ADAPTIVE = dict(
         "damping_adaptation_decay", "damping_adaptation_interval",
         "min_damping", "max_damping", "inverse_update_period")})
 # The README's recommended settings for wall-clock speed, the same on every
-# workload: the fixed-learning-rate mode at its defaults (damping 1e-2, KL
-# clipping, inverse="auto") with statistics every 10 steps, inverses every 50.
+# workload (chosen by benchmarks/recipe_sweep.py): the fixed-learning-rate
+# mode (KL clipping 1e-3, inverse="auto") with learning rate and damping
+# 1e-3, statistics every 10 steps, inverses every 50.
 RECIPE_NAME = "kfac_optax (recipe)"
-RECIPE = dict(learning_rate=0.03, stats_update_period=10, inverse_update_period=50)
+RECIPE = dict(learning_rate=1e-3, damping=1e-3, stats_update_period=10,
+              inverse_update_period=50)
 _KFAC_JAX_ESTIMATION = {"fisher": "fisher_gradients", "empirical": "empirical",
                         "exact": "fisher_exact"}
 
@@ -329,6 +331,9 @@ def make_contenders(workload, args, kfac_jax, model_state=None):
   step = train_step(workload)
 
   def ours(name, settings, max_steps=None):
+    if "curvature_batch_size" in settings:  # a quick workload's batch is smaller
+      settings = {**settings, "curvature_batch_size": min(
+          settings["curvature_batch_size"], workload.batch_size)}
     return optax_contender(
         name, "kfac_optax", kfac_optax_tx(workload, example_batch, **settings),
         settings, workload, step, model_state, max_steps)
@@ -470,6 +475,27 @@ def race(contenders, params, batches, steps, log_every=0, load=None,
           f"{1e3 * np.median(record[c.name]['step_s']):.0f}ms"
           for c in active), flush=True)
   return record
+
+
+def interleaved_run(workload: Workload, racers, steps: int, seed: int,
+                    quick: bool, log_every: int = 20):
+  """Compiles ``racers`` and races them once for ``steps`` steps (one OpenBLAS
+  thread), from ``workload``'s initial variables at ``seed``.
+
+  Returns:
+    ``(environment, load summary, compile seconds, [record])``; raises if a
+    contender fails to compile.
+  """
+  params, _ = initial_variables(workload, seed)
+  batches = Batches(workload, seed)
+  load = LoadSampler()
+  with single_threaded_lapack():
+    env = environment()
+    compile_s, failed = warm_up(racers, params, batches, 1 if quick else WARMUP_STEPS)
+    if failed:
+      raise RuntimeError(f"contenders failed: {failed}")
+    record = race(racers, params, batches, steps, 0 if quick else log_every, load)
+  return env, load.summary(), compile_s, [record]
 
 
 class LoadSampler:
@@ -805,7 +831,7 @@ def parse_args(argv, defaults: dict, description: str):
   parser.add_argument("--recipe", action=argparse.BooleanOptionalAction,
                       default=True, help=f"a kfac_optax with the README's "
                       f"recommended settings ({RECIPE})")
-  parser.add_argument("--tuned", type=_settings,
+  parser.add_argument("--tuned", type=parse_settings,
                       help="a second kfac_optax, e.g. 'learning_rate=0.1,"
                       "damping=1' (any kfac_optax.kfac keyword); 'none': off")
   parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction,
@@ -841,7 +867,7 @@ def parse_args(argv, defaults: dict, description: str):
   return args
 
 
-def _settings(text):
+def parse_settings(text):
   """``"a=1,b=x"`` -> ``{"a": 1, "b": "x"}``; ``"none"`` -> ``{}``."""
   def value(v):
     try:

@@ -19,7 +19,7 @@ True: pass"``, started and stopped here):
    numbers are 4 to 120).
 2. The README's main example (`examples/mlp_classifier.py`: MLP
    784-256-128-10, batch 256, K-FAC at the example's settings, the README's
-   recipe: lr 0.03, damping 1e-2, momentum 0.9, statistics every 10 steps,
+   recipe: lr 1e-3, damping 1e-3, momentum 0.9, statistics every 10 steps,
    inverses every 50; Adam 3e-3): K-FAC with each inverse method and Adam,
    their steps interleaved (`harness.race`), mean ms per step (refreshes
    included).

@@ -63,6 +63,8 @@ CONFIGS = {
     "kfac_default": dict(learning_rate=LR),
     # (b) the automatic mode: nothing given.
     "kfac_auto": dict(),
+    # (c) the README's recipe for wall-clock speed.
+    "kfac_recipe": dict(harness.RECIPE),
 }
 # kfac-jax's automatic mode as in its README's quick start: adaptive learning
 # rate, momentum and damping from initial damping 1, everything else at

@@ -11,10 +11,12 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 INVERSE_METHODS = ("auto", "eigh", "cholesky", "newton_schulz")
 NEWTON_SCHULZ_MAX_ITERATIONS = 40
-# A result with a larger residual is replaced by a Cholesky inverse.
+# The largest residual ‖I - (M + δI) X‖_F accepted from Newton-Schulz (else
+# Cholesky) and from Cholesky (else eigh).
 NEWTON_SCHULZ_ACCEPTED = 0.1
 
 
@@ -68,16 +70,18 @@ def mean_eigenvalue(matrix: jax.Array) -> jax.Array:
 def resolve_inverse(method: str) -> str:
   """The inverse method ``"auto"`` stands for on the default backend.
 
-  ``"newton_schulz"`` on CPU: in a training step there, LAPACK's eigh and
-  Cholesky (SciPy's OpenBLAS threads, contending with XLA's) made the
-  README example's K-FAC step 22 and 4 times slower than Newton-Schulz on
-  a shared 2-core machine, 9 and 4 times with one more busy process
-  (benchmarks/RESULTS.md, "The inverse refresh on a busy CPU"). ``"eigh"``
-  elsewhere (not measured against the others).
+  ``"cholesky"`` on CPU: in the README example's training step at the
+  recommended periods (inverses every 50 steps) it was the fastest, on a
+  quiet machine and with one extra busy process (mean step 2.35× and
+  2.65× Adam's; Newton-Schulz 3.6× and 4.1×, eigh 2.6× and 3.4×), and one
+  inverse of a 1024² factor took 18 ms (30 ms busy) against Newton-Schulz's
+  37 ms (74 ms) from a nearby start (benchmarks/RESULTS.md, "The inverse
+  refresh on a busy CPU").
+  ``"eigh"`` elsewhere (not measured against the others).
   """
   if method != "auto":
     return method
-  return "newton_schulz" if jax.default_backend() == "cpu" else "eigh"
+  return "cholesky" if jax.default_backend() == "cpu" else "eigh"
 
 
 def newton_schulz_tolerance(dtype: Any) -> float:
@@ -97,7 +101,8 @@ def damped_inverse(matrix: jax.Array, damping: jax.Array, method: str) -> jax.Ar
     damping: positive scalar added to the diagonal.
     method: ``"eigh"`` (eigenvalues clipped at 0 before damping, robust to
       round-off negativity), ``"cholesky"`` (faster, needs ``M + dI`` to be
-      numerically positive definite), ``"newton_schulz"`` (matrix
+      numerically positive definite; `invert_all` falls back to eigh where
+      it is not), ``"newton_schulz"`` (matrix
       products only, `newton_schulz_inverse` from the scaled identity;
       Cholesky where its residual stays above ``NEWTON_SCHULZ_ACCEPTED``)
       or ``"auto"`` (`resolve_inverse`).
@@ -385,6 +390,8 @@ def invert_all(tree: Any, method: str, stack_sharding: Any = None,
       inverted = _newton_schulz_stack(
           stack, damping, jnp.concatenate(previous_stack) if warm else None,
           stack_sharding)
+    elif method == "cholesky" and power == -1:
+      inverted = _cholesky_stack(stack, damping, stack_sharding)
     else:
       each = lambda m, d: damped_power(m, d, power, method)
       inverted = _distributed(each, (stack, damping), stack_sharding)
@@ -426,10 +433,41 @@ def _newton_schulz_stack(stack: jax.Array, damping: jax.Array,
   accepted = (residuals <= NEWTON_SCHULZ_ACCEPTED)[:, None, None]
 
   def with_cholesky():
-    cholesky = _distributed(lambda m, d: damped_inverse(m, d, "cholesky"),
-                            (stack, damping), stack_sharding)
-    return jnp.where(accepted, inverses, cholesky)
+    return jnp.where(accepted, inverses,
+                     _cholesky_stack(stack, damping, stack_sharding))
   return jax.lax.cond(jnp.all(accepted), lambda: inverses, with_cholesky)
+
+
+def _cholesky_stack(stack: jax.Array, damping: jax.Array,
+                    stack_sharding: Any) -> jax.Array:
+  """Cholesky inverses of every matrix of a stack, eigh for those whose
+  residual ``‖I - (M + δI) X‖_F`` (estimated) exceeds
+  ``NEWTON_SCHULZ_ACCEPTED`` or is not finite; eigh is computed only when
+  some matrix needs it.
+
+  In float32 a Cholesky inverse loses ``κ ε`` of accuracy: with a damping
+  near the round-off of a singular factor (the automatic mode's adaptive
+  damping gets there) it comes out finite but wrong, while eigh, clipping
+  the eigenvalues at 0, stays positive definite. Non-finite input stays
+  non-finite (the refresh is then rejected).
+  """
+  def cholesky(matrix, damping):
+    inverse = damped_inverse(matrix, damping, "cholesky")
+    # ‖R v‖ for random signs v estimates ‖R‖_F (E‖R v‖² = ‖R‖_F²) with
+    # matrix-vector products: the refresh's cost stays Cholesky's.
+    signs = jnp.asarray(np.random.default_rng(0).choice(
+        [-1.0, 1.0], matrix.shape[-1]), matrix.dtype)
+    residual = signs - (matrix @ (inverse @ signs) + damping * (inverse @ signs))
+    return inverse, jnp.sqrt(jnp.sum(residual * residual))
+  inverses, residuals = _distributed(cholesky, (stack, damping), stack_sharding)
+  # Padding entries of a sharded stack come back as zeros: accepted, dropped.
+  accepted = (residuals <= NEWTON_SCHULZ_ACCEPTED)[:, None, None]
+
+  def with_eigh():
+    eigh = _distributed(lambda m, d: damped_inverse(m, d, "eigh"),
+                        (stack, damping), stack_sharding)
+    return jnp.where(accepted, inverses, eigh)
+  return jax.lax.cond(jnp.all(accepted), lambda: inverses, with_eigh)
 
 
 def _diagonal_power(diagonal: DampedDiagonal, power: float) -> jax.Array:

@@ -190,11 +190,11 @@ def scale_by_kfac(
       ``"curvature_prop"`` (random-sign combinations of the exact ones,
       needs ``rng``).
     inverse: how the refresh inverts the damped factors: ``"eigh"``,
-      ``"cholesky"`` (LAPACK; on CPU through SciPy's OpenBLAS, whose threads
-      contend with XLA's on a busy machine), ``"newton_schulz"`` (matrix
+      ``"cholesky"`` (LAPACK, eigh for a factor where it fails; on CPU
+      through SciPy's OpenBLAS), ``"newton_schulz"`` (matrix
       products only, started from the previous inverse, Cholesky where it
       stays inaccurate; `linalg.newton_schulz_inverse`), or ``"auto"``
-      (default): ``"newton_schulz"`` on CPU, where it was measured fastest
+      (default): ``"cholesky"`` on CPU, where it was measured fastest
       in a training step, ``"eigh"`` on other backends
       (`linalg.resolve_inverse`). See benchmarks/RESULTS.md, "The inverse
       refresh on a busy CPU".

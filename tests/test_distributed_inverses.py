@@ -102,9 +102,12 @@ def test_each_device_inverts_an_eighth_of_the_stack(inverse, axis_type):
              and "f32[16,16]" in line]
     return len(calls), re.findall(r'known_trip_count":\{"n":"(\d+)"', hlo)
 
-  # The sixteen factors are one stack; sharded, each device factorises two.
-  assert factorisations(unsharded_hlo) == (1, ["16"])
-  assert factorisations(sharded_hlo) == (1, ["2"])
+  # The sixteen factors are one stack; sharded, each device factorises two
+  # (Cholesky's loops: its own, and eigh's for the members where it fails).
+  calls, trips = factorisations(unsharded_hlo)
+  assert calls == 1 and set(trips) == {"16"}
+  calls, trips = factorisations(sharded_hlo)
+  assert calls == 1 and set(trips) == {"2"}
   assert bf.relative_error(actual, jax.tree.map(np.asarray, expected)) < 1e-4
 
 

@@ -68,7 +68,8 @@ def test_a_useless_start_falls_back_to_the_scaled_identity():
 
 
 def test_an_inaccurate_result_is_replaced_by_cholesky():
-  """κ = 1e8 is beyond float32 Newton-Schulz: its residual stays large."""
+  """κ = 1e8 is beyond float32 Newton-Schulz: its residual stays large; a
+  stack replaces it as `test_cholesky_falls_back_to_eigh_where_it_fails`."""
   matrix, damping = spd(40, 1e8), jnp.float32(1e-12)
   assert float(newton_schulz(matrix, damping).residual) > linalg.NEWTON_SCHULZ_ACCEPTED
   np.testing.assert_array_equal(damped_inverse(matrix, damping, "newton_schulz"),
@@ -82,9 +83,30 @@ def test_an_inaccurate_result_is_replaced_by_cholesky():
               "small": jnp.eye(38)[None] / 2}
   inverted = jax.jit(lambda t, p: linalg.invert_all(t, "newton_schulz", previous=p))(
       tree, previous)
-  np.testing.assert_array_equal(inverted["bad"][0], damped_inverse(bad, damping, "cholesky"))
+  # Cholesky's residual is as large at κ = 1e8: the stack's chain ends in eigh.
+  assert bf.relative_error(inverted["bad"][0], damped_inverse(bad, damping, "eigh")) < 1e-4
   for key in ("good", "small"):
     assert bf.relative_error(inverted[key][0], explicit(tree[key].matrix[0], 1.0)) < 1e-3
+
+
+@pytest.mark.parametrize("damping", [1e-9, 1e-3])
+def test_cholesky_falls_back_to_eigh_where_it_fails(damping):
+  """A singular factor with a damping near float32's round-off of it:
+  Cholesky's inverse is NaN (1e-9) or finite but far off (1e-3: residual
+  above 1); in a stack, that member alone is inverted by eigh."""
+  rows = 10 * np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
+  singular, tiny = jnp.asarray(rows @ rows.T), jnp.float32(damping)
+  cholesky = damped_inverse(singular, tiny, "cholesky")
+  identity = jnp.eye(64)
+  residual = jnp.linalg.norm(identity - (singular + tiny * identity) @ cholesky)
+  assert not residual <= linalg.NEWTON_SCHULZ_ACCEPTED
+  good, one = spd(64, 1e2, seed=1), jnp.float32(1.0)
+  tree = {"good": linalg.Damped(good[None], one[None]),
+          "singular": linalg.Damped(singular[None], tiny[None])}
+  inverted = jax.jit(lambda t: linalg.invert_all(t, "cholesky"))(tree)
+  np.testing.assert_array_equal(inverted["good"][0], damped_inverse(good, one, "cholesky"))
+  assert bf.relative_error(inverted["singular"][0],
+                           damped_inverse(singular, tiny, "eigh")) < 1e-4
 
 
 def test_non_finite_input_gives_a_non_finite_inverse():
@@ -101,7 +123,7 @@ def test_float64_is_iterated_to_its_round_off():
     assert error < 1e-11
 
 
-def test_auto_is_newton_schulz_on_cpu():
+def test_auto_is_cholesky_on_cpu():
   assert linalg.resolve_inverse("auto") == (
-      "newton_schulz" if jax.default_backend() == "cpu" else "eigh")
+      "cholesky" if jax.default_backend() == "cpu" else "eigh")
   assert linalg.resolve_inverse("cholesky") == "cholesky"

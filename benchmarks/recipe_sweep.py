@@ -1,0 +1,185 @@
+"""Recipe sweep: fixed-mode settings against a workload's wall-clock target.
+
+The README's recipe is one set of kfac_optax settings for every workload.
+This races candidate settings (learning rate, damping, KL clipping; the
+recipe's periods: statistics every 10 steps, inverses every 50) on one
+workload of issue 16, interleaved in one run (`harness.interleaved_run`:
+same init, batches and keys), and reports how many steps each needs to
+reach the targets of the workload's last full run (``results/<name>.json``:
+T*k* and B120s, the best Adam's loss after 120 s of step time). A setting
+meets the workload's time target at B120s when
+
+    steps to B120s × its mean step ≤ limit × Adam's seconds to B120s,
+
+with the mean step of this run and Adam's seconds from the workload's run:
+an estimate to choose candidates by; the workload's own run measures the
+chosen one. Each candidate runs the steps that the limit allows at the
+recipe's mean step in the workload's run, plus a fifth. Writes
+``results/recipe_sweep_<name>.json`` and a RESULTS.md section.
+
+From the repository root::
+
+  python benchmarks/recipe_sweep.py --workload resnet
+  python benchmarks/recipe_sweep.py --workload convnet --configs \\
+      "learning_rate=0.03,damping=0.01;learning_rate=0.003,damping=0.001"
+  python benchmarks/recipe_sweep.py --quick    # smoke test, writes nothing
+"""
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import autoencoder  # pylint: disable=wrong-import-position
+from benchmarks import convnet  # pylint: disable=wrong-import-position
+from benchmarks import harness  # pylint: disable=wrong-import-position
+from benchmarks import resnet  # pylint: disable=wrong-import-position
+from benchmarks import transformer_lm  # pylint: disable=wrong-import-position
+
+import numpy as np  # pylint: disable=wrong-import-position,wrong-import-order
+
+WORKLOADS = {"autoencoder": autoencoder, "convnet": convnet,
+             "transformer_lm": transformer_lm, "resnet": resnet}
+# Issue 16's limit on (seconds to B120s) / (Adam's), per workload.
+TIME_LIMITS = {"autoencoder": 0.5, "convnet": 0.5, "transformer_lm": 0.7,
+               "resnet": 1.0}
+# The first was the recipe before the sweep of 2026-11-23, the fourth is the
+# recipe since.
+CANDIDATES = (
+    "learning_rate=0.03,damping=0.01,norm_constraint=0.001",
+    "learning_rate=0.01,damping=0.001,norm_constraint=0.001",
+    "learning_rate=0.003,damping=0.001,norm_constraint=0.001",
+    "learning_rate=0.001,damping=0.001,norm_constraint=0.001",
+    "learning_rate=0.003,damping=0.001,norm_constraint=None",
+)
+QUICK_STEPS = 3
+
+
+def candidate_settings(text):
+  """The recipe's periods with ``text``'s settings (``"k=v,..."``) on top."""
+  periods = ("stats_update_period", "inverse_update_period")
+  return {**{k: harness.RECIPE[k] for k in periods}, **harness.parse_settings(text)}
+
+
+def label(settings):
+  short = dict(learning_rate="lr", damping="damping", norm_constraint="clip",
+               stats_update_period="stats", inverse_update_period="inverses")
+  return " ".join(f"{short.get(k, k)}={v:g}" if isinstance(v, float) else
+                  f"{short.get(k, k)}={v}" for k, v in settings.items()
+                  if k not in ("stats_update_period", "inverse_update_period")
+                  or v != harness.RECIPE[k])
+
+
+def reference_run(name):
+  """The workload's last full run: targets, Adam's seconds, the recipe's step."""
+  path = os.path.join(harness.RESULTS_DIR, f"{name}.json")
+  with open(path, encoding="utf-8") as f:
+    payload = json.load(f)
+  targets = payload["summary"]["targets"]
+  recipe = payload["rows"].get(harness.RECIPE_NAME)
+  if recipe is None or not payload["config"].get("budget_s"):
+    raise ValueError(f"{path} has no wall-clock race with the recipe: run "
+                     f"python benchmarks/{name}.py first")
+  return targets, recipe["mean_ms"], payload["date"]
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--workload", choices=sorted(WORKLOADS), default="resnet")
+  parser.add_argument("--configs", default=";".join(CANDIDATES),
+                      help="';'-separated candidates, each 'key=value,...' "
+                      "of kfac_optax.kfac (the recipe's periods unless given)")
+  parser.add_argument("--steps", type=int, help="steps per candidate (default: "
+                      "what the time limit allows at the recipe's step, +20%%)")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--quick", action="store_true",
+                      help=f"{QUICK_STEPS} steps of the small workload; writes nothing")
+  args = parser.parse_args(argv)
+  started = time.perf_counter()
+  module, limit = WORKLOADS[args.workload], TIME_LIMITS[args.workload]
+  workload = module.workload(args.quick)
+  targets, recipe_ms, reference_date = reference_run(workload.name)
+  budget = targets[-1]
+  steps = QUICK_STEPS if args.quick else args.steps or math.ceil(
+      1.2 * limit * budget["adam_seconds"] / (recipe_ms / 1e3))
+  example_batch = workload.batch(np.arange(workload.batch_size))
+  step = harness.train_step(workload)
+  _, model_state = harness.initial_variables(workload, args.seed)
+  racers = []
+  for text in args.configs.split(";"):
+    settings = candidate_settings(text)
+    racers.append(harness.optax_contender(
+        label(settings), "kfac_optax",
+        harness.kfac_optax_tx(workload, example_batch, **settings), settings,
+        workload, step, model_state))
+  print(f"{workload.title}: {len(racers)} candidates x {steps} steps", flush=True)
+  env, load, compile_s, records = harness.interleaved_run(
+      workload, racers, steps, args.seed, args.quick)
+  rows, _ = harness.summarize(racers, records, compile_s, [], 0)
+  for row in rows.values():
+    smoothed = harness.trailing_mean(row["losses"])
+    row["to_target"] = [harness.first_reach(smoothed, row["step_s"], t["loss"])[0]
+                        for t in targets]
+    reached = row["to_target"][-1]
+    row["estimated_budget_time_vs_adam"] = (
+        None if reached is None else reached * row["mean_ms"] / 1e3
+        / budget["adam_seconds"])
+  payload = dict(
+      name=f"recipe_sweep_{workload.name}{harness.backend_suffix()}",
+      title=workload.title, workload=workload.name, limit=limit,
+      command=" ".join(["python benchmarks/recipe_sweep.py",
+                        *(sys.argv[1:] if argv is None else argv)]),
+      date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+      environment=env, load_average=load, reference_date=reference_date,
+      targets=targets, steps=steps, rows=rows,
+      wall_s=time.perf_counter() - started)
+  section = markdown(payload)
+  if not args.quick:
+    harness.write_json(os.path.join(harness.RESULTS_DIR, f"{payload['name']}.json"),
+                       payload)
+    harness.update_markdown(harness.RESULTS_MD, payload["name"], section,
+                            "benchmarks/recipe_sweep.py")
+  print("\n" + section + "\n", flush=True)
+  return payload
+
+
+def markdown(payload) -> str:
+  targets, rows = payload["targets"], payload["rows"]
+  budget = targets[-1]
+  lines = [
+      f"## Recipe sweep: {payload['title']}", "",
+      f"- **Command:** `{payload['command']}` ({payload['date']}, "
+      f"{payload['wall_s'] / 60:.1f} min); {payload['steps']} steps per "
+      "candidate, all interleaved in one run.",
+      f"- **Machine:** {payload['environment']['cpu']}, "
+      f"{payload['environment']['cores']} cores; load average "
+      f"{payload['load_average']['min']:.1f}-{payload['load_average']['max']:.1f}.",
+      f"- **Targets** from the workload's run of {payload['reference_date']}: "
+      + ", ".join(f"{t['label']} = {t['loss']:.4g}" for t in targets)
+      + f"; the best Adam reached {budget['label']} in "
+      f"{budget['adam_seconds']:.1f} s. Estimated time ratio = steps to "
+      f"{budget['label']} × the candidate's mean step here / Adam's seconds "
+      f"(target <= {payload['limit']:g}). Every candidate: momentum 0.9, "
+      "statistics every 10 steps, inverses every 50, other settings at "
+      "`kfac`'s defaults.", "",
+      "| candidate | mean ms/step | final loss | "
+      + " | ".join(f"steps to {t['label']}" for t in targets)
+      + " | estimated time / Adam's |",
+      "|---|---:|---:|" + "---:|" * (len(targets) + 1)]
+  for name, row in rows.items():
+    final = harness.fmt(row["final_loss"], ".4g") + (
+        " (diverged)" if row["diverged"] else "")
+    lines.append(
+        f"| {name} | {harness.fmt(row['mean_ms'])} | {final} | "
+        + " | ".join(harness.fmt(s, "d") for s in row["to_target"])
+        + f" | {harness.fmt(row['estimated_budget_time_vs_adam'], '.2f')} |")
+  lines += ["", f"Raw data: `benchmarks/results/{payload['name']}.json`."]
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  main()
