@@ -18,12 +18,8 @@ import pytest
 import kfac_optax
 from benchmarks import autoencoder
 from benchmarks import convnet
-from benchmarks import curvature_batch
-from benchmarks import forward_sharing
 from benchmarks import harness
-from benchmarks import recipe_sweep
 from benchmarks import resnet
-from benchmarks import step_profile
 from benchmarks import transformer_lm
 
 KFAC_JAX, WHY_NO_KFAC_JAX = harness.import_kfac_jax()
@@ -73,52 +69,6 @@ def test_quick_mode_runs_every_contender_and_writes_reports(module, tmp_path):
   text = markdown.read_text()
   assert f"<!-- {saved['name']}:begin" in text
   assert all(f"| {name} |" in text for name in expected)
-
-
-def test_recipe_sweep_estimates_each_candidates_time_to_the_budget_target(
-    monkeypatch):
-  """Steps to the workload's targets, and the estimated time ratio: steps to
-  B120s × the candidate's mean step / Adam's seconds to B120s."""
-  targets = [dict(label="T50", loss=1e9), dict(label="B120s", loss=1e9,
-                                               adam_seconds=2.0)]
-  monkeypatch.setattr(recipe_sweep, "reference_run",
-                      lambda name: (targets, 50.0, "2026-01-01"))
-  configs = "learning_rate=0.03,damping=0.01;learning_rate=0.003,norm_constraint=None"
-  result = recipe_sweep.main(["--quick", "--workload", "convnet",
-                              "--configs", configs])
-  rows = result["rows"]
-  assert list(rows) == ["lr=0.03 damping=0.01", "lr=0.003 clip=None"]
-  for row in rows.values():
-    assert row["steps"] == recipe_sweep.QUICK_STEPS
-    assert row["settings"]["stats_update_period"] == harness.RECIPE["stats_update_period"]
-    assert row["to_target"] == [1, 1]  # every loss is below 1e9
-    assert row["estimated_budget_time_vs_adam"] == pytest.approx(
-        row["mean_ms"] / 1e3 / 2.0)
-  assert "| lr=0.003 clip=None |" in recipe_sweep.markdown(result)
-
-
-def test_curvature_batch_quick_mode_races_every_sub_batch():
-  rows = curvature_batch.main(["--quick"])["rows"]
-  sizes = [row["settings"].get("curvature_batch_size") for row in rows.values()]
-  assert sizes[:3] == [4 * sizes[2], 2 * sizes[2], sizes[2]] and sizes[3] is None
-  assert all(row["steps"] == 3 for row in rows.values())
-
-
-def test_forward_pass_is_shared_only_without_a_statistics_cond():
-  (result,) = forward_sharing.main(["--quick"]).values()
-  shared = result["stats_update_period=1"]
-  assert shared["shared"]
-  step = shared["counts"]["training step"]
-  assert step["forward"] == shared["counts"]["user gradient"]["forward"] > 0
-  assert not result["stats_update_period=2"]["shared"]
-
-
-def test_step_profile_quick_mode_times_every_part():
-  (result,) = step_profile.main(["--quick"]).values()
-  assert len(result["median_ms"]) == 5
-  assert all(v > 0 for v in result["median_ms"].values())
-  assert set(result["op_ms_per_step"]) == set(step_profile.PARTS)
-  assert sum(result["op_ms_per_step"].values()) > 0
 
 
 def test_markdown_section_is_replaced_in_place(tmp_path):
