@@ -51,10 +51,9 @@ def main(argv=None):
     settings = dict(learning_rate=lr, damping=damping, momentum=0.9,
                     inverse_update_period=int(period),
                     stats_update_period=int(stats), inverse="cholesky")
-    contenders.append(harness.optax_contender(
+    contenders.append(harness.kfac_optax_contender(
         f"kfac lr={lr:g} damping={damping:g} period={int(period)}"
-        + (f" stats every {int(stats)}" if stats != 1 else ""), "kfac_optax",
-        harness.kfac_optax_tx(workload, example_batch, **settings), settings,
+        + (f" stats every {int(stats)}" if stats != 1 else ""), settings,
         workload, step))
   for lr in (float(v) for v in args.adam_lrs.split(",")):
     contenders.append(harness.optax_contender(

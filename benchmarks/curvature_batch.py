@@ -23,7 +23,6 @@ import os
 import sys
 import time
 
-import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,7 +38,6 @@ LOSS_STEPS = (50, 100, 200)
 def contenders(workload, module, adam_lr):
   """kfac_optax at the workload's settings with n = B, B/2, B/4, and Adam."""
   defaults = module.DEFAULTS
-  example_batch = workload.batch(np.arange(workload.batch_size))
   step = harness.train_step(workload)
   kfac = dict(learning_rate=defaults["kfac_lr"], damping=defaults["kfac_damping"],
               momentum=0.9, ema_decay=0.95, inverse_update_period=5,
@@ -48,10 +46,8 @@ def contenders(workload, module, adam_lr):
   for fraction in FRACTIONS:
     size = workload.batch_size // fraction
     settings = {**kfac, "curvature_batch_size": size}
-    racers.append(harness.optax_contender(
-        f"kfac_optax n={size}", "kfac_optax",
-        harness.kfac_optax_tx(workload, example_batch, **settings), settings,
-        workload, step))
+    racers.append(harness.kfac_optax_contender(
+        f"kfac_optax n={size}", settings, workload, step))
   racers.append(harness.optax_contender(
       f"adam lr={adam_lr:g}", "adam", optax.adam(adam_lr),
       dict(learning_rate=adam_lr), workload, step))
@@ -110,8 +106,9 @@ def main(argv=None):
   workload = module.workload(args.quick)
   steps, key_step = (3, 3) if args.quick else (args.steps, args.key_step)
   racers = contenders(workload, module, adam_lr)
+  params, _ = harness.initial_variables(workload, args.seed)
   env, load, compile_s, records = harness.interleaved_run(
-      workload, racers, steps, args.seed, args.quick)
+      workload, racers, params, steps, args.seed, args.quick)
   rows, summary = harness.summarize(racers, records, compile_s, [key_step], key_step)
   name = f"curvature_batch_{workload.name}{harness.backend_suffix()}"
   payload = dict(

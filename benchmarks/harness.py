@@ -217,6 +217,19 @@ def kfac_optax_tx(workload: Workload, example_batch, **settings):
                          **settings)
 
 
+def kfac_optax_contender(name, settings, workload, step, model_state=None,
+                         max_steps=None):
+  """A kfac_optax contender with ``settings`` (keywords of ``kfac_optax.kfac``)
+  that trains by ``step`` (`train_step`)."""
+  if "curvature_batch_size" in settings:  # a quick workload's batch is smaller
+    settings = {**settings, "curvature_batch_size": min(
+        settings["curvature_batch_size"], workload.batch_size)}
+  example_batch = workload.batch(np.arange(workload.batch_size))
+  return optax_contender(
+      name, "kfac_optax", kfac_optax_tx(workload, example_batch, **settings),
+      settings, workload, step, model_state, max_steps)
+
+
 def optax_contender(name, family, tx, settings, workload, step, model_state=None,
                     max_steps=None):
   """A contender that trains with ``tx`` by `train_step`.
@@ -331,12 +344,8 @@ def make_contenders(workload, args, kfac_jax, model_state=None):
   step = train_step(workload)
 
   def ours(name, settings, max_steps=None):
-    if "curvature_batch_size" in settings:  # a quick workload's batch is smaller
-      settings = {**settings, "curvature_batch_size": min(
-          settings["curvature_batch_size"], workload.batch_size)}
-    return optax_contender(
-        name, "kfac_optax", kfac_optax_tx(workload, example_batch, **settings),
-        settings, workload, step, model_state, max_steps)
+    return kfac_optax_contender(name, settings, workload, step, model_state,
+                                max_steps)
 
   kfac = dict(learning_rate=args.kfac_lr, damping=args.kfac_damping,
               momentum=args.kfac_momentum, ema_decay=0.95,
@@ -477,16 +486,15 @@ def race(contenders, params, batches, steps, log_every=0, load=None,
   return record
 
 
-def interleaved_run(workload: Workload, racers, steps: int, seed: int,
+def interleaved_run(workload: Workload, racers, params, steps: int, seed: int,
                     quick: bool, log_every: int = 20):
   """Compiles ``racers`` and races them once for ``steps`` steps (one OpenBLAS
-  thread), from ``workload``'s initial variables at ``seed``.
+  thread) from ``params``, on ``workload``'s batches of ``seed``.
 
   Returns:
     ``(environment, load summary, compile seconds, [record])``; raises if a
     contender fails to compile.
   """
-  params, _ = initial_variables(workload, seed)
   batches = Batches(workload, seed)
   load = LoadSampler()
   with single_threaded_lapack():

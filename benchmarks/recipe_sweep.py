@@ -40,8 +40,6 @@ from benchmarks import harness  # pylint: disable=wrong-import-position
 from benchmarks import resnet  # pylint: disable=wrong-import-position
 from benchmarks import transformer_lm  # pylint: disable=wrong-import-position
 
-import numpy as np  # pylint: disable=wrong-import-position,wrong-import-order
-
 WORKLOADS = {"autoencoder": autoencoder, "convnet": convnet,
              "transformer_lm": transformer_lm, "resnet": resnet}
 # Issue 16's limit on (seconds to B120s) / (Adam's), per workload.
@@ -106,19 +104,14 @@ def main(argv=None):
   budget = targets[-1]
   steps = QUICK_STEPS if args.quick else args.steps or math.ceil(
       1.2 * limit * budget["adam_seconds"] / (recipe_ms / 1e3))
-  example_batch = workload.batch(np.arange(workload.batch_size))
   step = harness.train_step(workload)
-  _, model_state = harness.initial_variables(workload, args.seed)
-  racers = []
-  for text in args.configs.split(";"):
-    settings = candidate_settings(text)
-    racers.append(harness.optax_contender(
-        label(settings), "kfac_optax",
-        harness.kfac_optax_tx(workload, example_batch, **settings), settings,
-        workload, step, model_state))
+  params, model_state = harness.initial_variables(workload, args.seed)
+  racers = [harness.kfac_optax_contender(label(settings), settings, workload,
+                                         step, model_state)
+            for settings in map(candidate_settings, args.configs.split(";"))]
   print(f"{workload.title}: {len(racers)} candidates x {steps} steps", flush=True)
   env, load, compile_s, records = harness.interleaved_run(
-      workload, racers, steps, args.seed, args.quick)
+      workload, racers, params, steps, args.seed, args.quick)
   rows, _ = harness.summarize(racers, records, compile_s, [], 0)
   for row in rows.values():
     smoothed = harness.trailing_mean(row["losses"])

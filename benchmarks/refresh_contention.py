@@ -126,7 +126,6 @@ def mlp_example(quick: bool):
       model=model, loss=loss, inputs=lambda batch: batch[0],
       register_kfac_jax_loss=None, data=(x, y), batch_size=256)
   args = mlp_classifier.parse_args([])
-  example_batch = workload.batch(np.arange(workload.batch_size))
   step = harness.train_step(workload)
   racers = []
   for inverse in KFAC_INVERSES:
@@ -135,10 +134,8 @@ def mlp_example(quick: bool):
                     stats_update_period=args.kfac_stats_period,
                     inverse_update_period=args.kfac_inverse_period,
                     inverse=inverse)
-    racers.append(harness.optax_contender(
-        f"K-FAC {inverse}", "kfac_optax",
-        harness.kfac_optax_tx(workload, example_batch, **settings), settings,
-        workload, step))
+    racers.append(harness.kfac_optax_contender(
+        f"K-FAC {inverse}", settings, workload, step))
   racers.append(harness.optax_contender(
       "Adam", "adam", optax.adam(args.adam_lr), dict(learning_rate=args.adam_lr),
       workload, step))

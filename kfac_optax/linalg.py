@@ -420,8 +420,8 @@ def _padded(matrices: jax.Array, size: int, fill: jax.Array) -> jax.Array:
 def _newton_schulz_stack(stack: jax.Array, damping: jax.Array,
                          previous: jax.Array | None, stack_sharding: Any) -> jax.Array:
   """`newton_schulz_inverse` of every matrix of a stack (warm-started from
-  ``previous`` if given), Cholesky for those whose residual stays above
-  ``NEWTON_SCHULZ_ACCEPTED``: computed only when some matrix needs it."""
+  ``previous`` if given), `_cholesky_stack` for those whose residual stays
+  above ``NEWTON_SCHULZ_ACCEPTED``: computed only when some matrix needs it."""
   if previous is None:
     each = lambda m, d: newton_schulz_inverse(m, d)[:2]
     inverses, residuals = _distributed(each, (stack, damping), stack_sharding)
@@ -429,13 +429,8 @@ def _newton_schulz_stack(stack: jax.Array, damping: jax.Array,
     each = lambda m, d, p: newton_schulz_inverse(m, d, p)[:2]
     inverses, residuals = _distributed(each, (stack, damping, previous),
                                        stack_sharding)
-  # Padding entries of a sharded stack come back as zeros: accepted, dropped.
-  accepted = (residuals <= NEWTON_SCHULZ_ACCEPTED)[:, None, None]
-
-  def with_cholesky():
-    return jnp.where(accepted, inverses,
-                     _cholesky_stack(stack, damping, stack_sharding))
-  return jax.lax.cond(jnp.all(accepted), lambda: inverses, with_cholesky)
+  return _replace_inaccurate(inverses, residuals,
+                             lambda: _cholesky_stack(stack, damping, stack_sharding))
 
 
 def _cholesky_stack(stack: jax.Array, damping: jax.Array,
@@ -457,17 +452,23 @@ def _cholesky_stack(stack: jax.Array, damping: jax.Array,
     # matrix-vector products: the refresh's cost stays Cholesky's.
     signs = jnp.asarray(np.random.default_rng(0).choice(
         [-1.0, 1.0], matrix.shape[-1]), matrix.dtype)
-    residual = signs - (matrix @ (inverse @ signs) + damping * (inverse @ signs))
+    solved = inverse @ signs
+    residual = signs - (matrix @ solved + damping * solved)
     return inverse, jnp.sqrt(jnp.sum(residual * residual))
   inverses, residuals = _distributed(cholesky, (stack, damping), stack_sharding)
+  return _replace_inaccurate(inverses, residuals, lambda: _distributed(
+      lambda m, d: damped_inverse(m, d, "eigh"), (stack, damping), stack_sharding))
+
+
+def _replace_inaccurate(inverses: jax.Array, residuals: jax.Array,
+                        fallback: Callable[[], jax.Array]) -> jax.Array:
+  """``inverses`` (a stack), each one whose residual is above
+  ``NEWTON_SCHULZ_ACCEPTED`` or not finite replaced by ``fallback()``'s;
+  ``fallback`` runs only when some inverse needs it."""
   # Padding entries of a sharded stack come back as zeros: accepted, dropped.
   accepted = (residuals <= NEWTON_SCHULZ_ACCEPTED)[:, None, None]
-
-  def with_eigh():
-    eigh = _distributed(lambda m, d: damped_inverse(m, d, "eigh"),
-                        (stack, damping), stack_sharding)
-    return jnp.where(accepted, inverses, eigh)
-  return jax.lax.cond(jnp.all(accepted), lambda: inverses, with_eigh)
+  return jax.lax.cond(jnp.all(accepted), lambda: inverses,
+                      lambda: jnp.where(accepted, inverses, fallback()))
 
 
 def _diagonal_power(diagonal: DampedDiagonal, power: float) -> jax.Array:
