@@ -1,8 +1,10 @@
 """The inverse refresh on a busy CPU: eigh, Cholesky and Newton-Schulz.
 
-jaxlib's CPU eigh and Cholesky call LAPACK in SciPy's OpenBLAS, whose
-threads contend with XLA's own when another process keeps a core busy;
-``inverse="newton_schulz"`` uses matrix products only (XLA's threads). In
+jaxlib's CPU eigh calls LAPACK in SciPy's OpenBLAS, whose threads contend
+with XLA's own (and spin for ~0.1 s after each call); ``inverse="cholesky"``
+hands LAPACK only blocks small enough to stay on the calling thread
+(`kfac_optax.cholesky`), ``inverse="newton_schulz"`` uses matrix products
+only (XLA's threads). In
 the default environment (no thread settings), the first two measurements
 on a quiet machine and with one extra busy process (``python -c "while
 True: pass"``, started and stopped here):
@@ -21,8 +23,10 @@ True: pass"``, started and stopped here):
    784-256-128-10, batch 256, K-FAC at the example's settings, the README's
    recipe: lr 1e-3, damping 1e-3, momentum 0.9, statistics every 10 steps,
    inverses every 50; Adam 3e-3): K-FAC with each inverse method and Adam,
-   their steps interleaved (`harness.race`), mean ms per step (refreshes
-   included).
+   each contender's steps alone and back to back (`harness.race` of one),
+   contenders in turn, as the example runs them: interleaved, the threads
+   that one contender's LAPACK calls leave spinning would slow the others'
+   steps. Mean ms per step (refreshes included).
 3. Newton-Schulz iterations on the README example's own factors: K-FAC
    (Cholesky) trains it for ``--iteration-steps`` steps; at every 50th step
    each damped factor is inverted from the scaled identity and from the
@@ -169,8 +173,8 @@ def example_iterations(steps: int, every: int = 50):
 
 
 def example_race(quick: bool, steps: int):
-  """``busy -> ({contender: step times}, load)``: the interleaved race, its
-  contenders compiled once."""
+  """``busy -> ({contender: step times}, load)``: each contender's steps
+  alone, contenders in turn, compiled once."""
   workload, racers = mlp_example(quick)
   params = workload.model.init(jax.random.key(0), workload.inputs(
       workload.batch(np.arange(workload.batch_size))))["params"]
@@ -182,8 +186,9 @@ def example_race(quick: bool, steps: int):
   def run(busy: bool):
     with conditions(busy):
       load = harness.LoadSampler()
-      record = harness.race(racers, params, batches, steps, load=load)
-    return {name: r["step_s"] for name, r in record.items()}, load.summary()
+      alone = {racer.name: harness.race([racer], params, batches, steps, load=load)
+               [racer.name]["step_s"] for racer in racers}
+    return alone, load.summary()
   return run
 
 
@@ -210,7 +215,7 @@ def markdown(payload) -> str:
     lines.append(f"| {n} | " + " | ".join(cells)
                  + f" | {its['cold']} / {its['warm']} |")
   lines += ["", f"README main example ({payload['example_steps']} steps per "
-            "contender and phase, interleaved; mean ms/step including refreshes, "
+            "contender and phase, each alone; mean ms/step including refreshes, "
             f"median over {payload['rounds']} rounds):", "",
             "| contender | quiet | busy | busy / quiet | quiet / Adam | busy / Adam |",
             "|---|---:|---:|---:|---:|---:|"]
@@ -240,7 +245,7 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--sizes", type=int, nargs="+", default=SIZES)
   parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--steps", type=int, default=100,
+  parser.add_argument("--steps", type=int, default=300,
                       help="timed steps of each contender of the example")
   parser.add_argument("--iteration-steps", type=int, default=151)
   parser.add_argument("--rounds", type=int, default=2,

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kfac_optax import cholesky
+
 INVERSE_METHODS = ("auto", "eigh", "cholesky", "newton_schulz")
 NEWTON_SCHULZ_MAX_ITERATIONS = 40
 # The largest residual ‖I - (M + δI) X‖_F accepted from Newton-Schulz (else
@@ -102,7 +104,8 @@ def damped_inverse(matrix: jax.Array, damping: jax.Array, method: str) -> jax.Ar
     method: ``"eigh"`` (eigenvalues clipped at 0 before damping, robust to
       round-off negativity), ``"cholesky"`` (faster, needs ``M + dI`` to be
       numerically positive definite; `invert_all` falls back to eigh where
-      it is not), ``"newton_schulz"`` (matrix
+      it is not; `cholesky.cholesky_inverse`, which on CPU keeps OpenBLAS's
+      threads from spinning after the refresh), ``"newton_schulz"`` (matrix
       products only, `newton_schulz_inverse` from the scaled identity;
       Cholesky where its residual stays above ``NEWTON_SCHULZ_ACCEPTED``)
       or ``"auto"`` (`resolve_inverse`).
@@ -117,9 +120,8 @@ def damped_inverse(matrix: jax.Array, damping: jax.Array, method: str) -> jax.Ar
     scale = 1.0 / (jnp.maximum(eigenvalues, 0.0) + damping)
     return (eigenvectors * scale) @ eigenvectors.T
   if method == "cholesky":
-    identity = jnp.eye(matrix.shape[0], dtype=matrix.dtype)
-    factor = jax.scipy.linalg.cho_factor(matrix + damping * identity, lower=True)
-    return jax.scipy.linalg.cho_solve(factor, identity)
+    return cholesky.cholesky_inverse(
+        matrix + damping * jnp.eye(matrix.shape[0], dtype=matrix.dtype))
   if method == "newton_schulz":
     inverse, residual, _ = newton_schulz_inverse(matrix, damping)
     return jax.lax.cond(residual <= NEWTON_SCHULZ_ACCEPTED, lambda: inverse,

@@ -103,11 +103,13 @@ def test_each_device_inverts_an_eighth_of_the_stack(inverse, axis_type):
     return len(calls), re.findall(r'known_trip_count":\{"n":"(\d+)"', hlo)
 
   # The sixteen factors are one stack; sharded, each device factorises two
-  # (Cholesky's loops: its own, and eigh's for the members where it fails).
+  # (Cholesky's loops: its own, and eigh's for the members where it fails;
+  # on CPU, XLA's triangular solve of each 16x16 factor loops 15 times).
+  stack_loops = lambda trips: set(trips) - ({"15"} if inverse == "cholesky" else set())
   calls, trips = factorisations(unsharded_hlo)
-  assert calls == 1 and set(trips) == {"16"}
+  assert calls == 1 and stack_loops(trips) == {"16"}
   calls, trips = factorisations(sharded_hlo)
-  assert calls == 1 and set(trips) == {"2"}
+  assert calls == 1 and stack_loops(trips) == {"2"}
   assert bf.relative_error(actual, jax.tree.map(np.asarray, expected)) < 1e-4
 
 
