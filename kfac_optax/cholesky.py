@@ -9,7 +9,7 @@ more work, on cores that XLA's thread pool already uses. Each refresh
 therefore slowed the training steps after it: in the README's example
 (inverses every 50 steps of 2-3 ms) the mean K-FAC step was 3.6 ms with
 LAPACK's inverse, 2.4 ms with `cholesky_inverse` (`benchmarks/RESULTS.md`,
-"Refresh contention").
+"Wall-clock summary").
 
 `cholesky_inverse` factorises by blocks: LAPACK sees only diagonal blocks of
 at most `BLOCK` rows (small enough to stay on the calling thread), and the
@@ -35,7 +35,7 @@ BLOCK = 128
 def cholesky_inverse(matrix: jax.Array) -> jax.Array:
   """``matrix⁻¹`` for a symmetric positive-definite ``(d, d)`` ``matrix``.
 
-  With ``L Lᵀ = matrix`` (`blocked_cholesky` on CPU, LAPACK's elsewhere),
+  With ``L Lᵀ = matrix`` (`blocked_cholesky` on CPU, jax's own elsewhere),
   ``matrix⁻¹ = L⁻ᵀ L⁻¹``. Non-finite (NaN) where the factorisation fails.
   """
   if jax.default_backend() != "cpu":
