@@ -41,9 +41,7 @@ def parse_args(argv=None):
 def main(argv=None):
   args = parse_args(argv)
   workload = autoencoder.workload()
-  example_batch = workload.batch(np.arange(workload.batch_size))
-  params = workload.model.init(harness.jax.random.key(args.seed),
-                               example_batch)["params"]
+  params, _ = harness.initial_variables(workload, args.seed)
   step = harness.train_step(workload)
   contenders = []
   for spec in args.kfac.split(","):

@@ -150,8 +150,7 @@ def example_iterations(steps: int, every: int = 50):
   """``{factor: [(cold, warm) iterations at every ``every``-th step]}``."""
   workload, racers = mlp_example(quick=False)
   kfac = next(r for r in racers if r.name == "K-FAC cholesky")
-  params = workload.model.init(jax.random.key(0), workload.inputs(
-      workload.batch(np.arange(workload.batch_size))))["params"]
+  params, _ = harness.initial_variables(workload, 0)
   batches, state = harness.Batches(workload, 0), kfac.start(params)
   counts, previous = {}, None
   for i in range(steps):
@@ -176,8 +175,7 @@ def example_race(quick: bool, steps: int):
   """``busy -> ({contender: step times}, load)``: each contender's steps
   alone, contenders in turn, compiled once."""
   workload, racers = mlp_example(quick)
-  params = workload.model.init(jax.random.key(0), workload.inputs(
-      workload.batch(np.arange(workload.batch_size))))["params"]
+  params, _ = harness.initial_variables(workload, 0)
   batches = harness.Batches(workload, 0)
   _, failed = harness.warm_up(racers, params, batches, harness.WARMUP_STEPS)
   if failed:

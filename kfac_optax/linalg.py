@@ -72,13 +72,13 @@ def mean_eigenvalue(matrix: jax.Array) -> jax.Array:
 def resolve_inverse(method: str) -> str:
   """The inverse method ``"auto"`` stands for on the default backend.
 
-  ``"cholesky"`` on CPU: in the README example's training step at the
-  recommended periods (inverses every 50 steps) it was the fastest, on a
-  quiet machine and with one extra busy process (mean step 2.35× and
-  2.65× Adam's; Newton-Schulz 3.6× and 4.1×, eigh 2.6× and 3.4×), and one
-  inverse of a 1024² factor took 18 ms (30 ms busy) against Newton-Schulz's
-  37 ms (74 ms) from a nearby start (benchmarks/RESULTS.md, "The inverse
-  refresh on a busy CPU").
+  ``"cholesky"`` on CPU (`cholesky.cholesky_inverse`): in the README
+  example's training step at the recommended periods (inverses every 50
+  steps) it was the fastest, on a quiet machine and with one extra busy
+  process (mean step 2.12× and 2.82× Adam's; eigh 3.35× and 4.50×,
+  Newton-Schulz 3.61× and 4.45×), and one inverse of a 1024² factor took
+  15 ms (23 ms busy) against Newton-Schulz's 38 ms (69 ms) from a nearby
+  start (benchmarks/RESULTS.md, "The inverse refresh on a busy CPU").
   ``"eigh"`` elsewhere (not measured against the others).
   """
   if method != "auto":
