@@ -114,9 +114,9 @@ def main(argv=None):
       workload, racers, params, steps, args.seed, args.quick)
   rows, _ = harness.summarize(racers, records, compile_s, [], 0)
   for row in rows.values():
-    smoothed = harness.trailing_mean(row["losses"])
-    row["to_target"] = [harness.first_reach(smoothed, row["step_s"], t["loss"])[0]
-                        for t in targets]
+    row["to_target"] = [harness.first_reach(
+        harness.trailing_mean(row["losses"], t.get("window", harness.WINDOW)),
+        row["step_s"], t["loss"])[0] for t in targets]
     reached = row["to_target"][-1]
     row["estimated_budget_time_vs_adam"] = (
         None if reached is None else reached * row["mean_ms"] / 1e3

@@ -119,12 +119,15 @@ def test_wall_clock_race_stops_each_contender_at_its_budget():
 
 
 def test_budget_target_is_the_best_adams_final_loss_and_its_own_time():
-  """B<s>s: the lowest final smoothed loss of any Adam; ratios of seconds to it."""
+  """B<s>s: the lowest final loss of any Adam, smoothed over BUDGET_WINDOW
+  steps; ratios of seconds to it, on curves smoothed the same way."""
   def record(losses, seconds):
     return dict(loss=list(losses), step_s=[seconds] * len(losses))
-  adam_a = [5.0] * 4 + [1.0] * 16  # ends lowest: the target, 1.0
-  adam_b = [3.0] * 30
-  kfac = [4.0, 2.0, 1.0] + [0.5] * 12
+  window = harness.BUDGET_WINDOW
+  # Ends lowest, with a last dip that a 10-step window would take as its loss.
+  adam_a = [5.0] * 40 + [1.0] * (window - 10) + [0.5] * 10
+  adam_b = [3.0] * 100
+  kfac = [4.0, 2.0, 1.0] + [0.5] * 80
   contenders = [_Sleeper("adam a", "adam", 0), _Sleeper("adam b", "adam", 0),
                 _Sleeper("kfac", "kfac_optax", 0)]
   records = [{"adam a": record(adam_a, 1.0), "adam b": record(adam_b, 1.0),
@@ -132,14 +135,16 @@ def test_budget_target_is_the_best_adams_final_loss_and_its_own_time():
   rows, summary = harness.summarize(contenders, records, {}, [2], 2, budget_s=20.0)
   budget_target = summary["targets"][-1]
   assert budget_target["label"] == "B20s" and budget_target["source"] == "adam a"
-  window = harness.WINDOW
-  assert budget_target["loss"] == pytest.approx(np.mean(adam_a[-window:]))
+  assert budget_target["loss"] == pytest.approx(0.9)  # np.mean(adam_a[-window:])
   reach = lambda losses, seconds: harness.first_reach(
-      harness.trailing_mean(losses), [seconds] * len(losses), budget_target["loss"])
+      harness.trailing_mean(losses, window), [seconds] * len(losses),
+      budget_target["loss"])
   adam_steps, adam_seconds = reach(adam_a, 1.0)
   kfac_steps, kfac_seconds = reach(kfac, 2.0)
+  assert adam_steps == len(adam_a)  # its smoothed curve touches 0.9 only at the end
   assert budget_target["adam_seconds"] == adam_seconds == adam_steps * 1.0
   assert rows["kfac"]["to_target"][-1] == dict(steps=kfac_steps, seconds=kfac_seconds)
+  assert kfac_steps < len(kfac)
   assert rows["kfac"]["budget_target_time_vs_adam"] == pytest.approx(
       kfac_seconds / adam_seconds)
   assert rows["adam b"]["budget_target_time_vs_adam"] is None  # never reached
