@@ -735,7 +735,7 @@ def markdown_section(payload):
       f"## {payload['title']}", "",
       f"- **Command:** `{payload['command']}` ({payload['date']}, "
       f"{payload['wall_s'] / 60:.1f} min)",
-      f"- **Machine:** "
+      "- **Machine:** "
       + (f"{env['accelerator']}, host " if env.get("accelerator") else "")
       + f"{env['cpu']}, {env['cores']} cores, {env['memory']}; "
       f"load average during the run {load['min']:.1f}-{load['max']:.1f} "
