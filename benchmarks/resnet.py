@@ -45,8 +45,8 @@ QUICK_IMAGES = 64
 DEFAULTS = dict(budget_s=120.0, matched_steps=150, quick_steps=2, kfac_lr=0.03,
                 kfac_damping=1e-2, adam_lrs=[1e-3, 3e-3, 1e-2],
                 target_steps=[50, 100, 200, 400], key_target_step=100,
-                tuned=dict(**harness.RECIPE, curvature_batch_size=32,
-                           stats_update_period=20, inverse_update_period=100))
+                tuned={**harness.RECIPE, "curvature_batch_size": 32,
+                       "stats_update_period": 20, "inverse_update_period": 100})
 GOALS = (
     harness.Goal("mean ms/step / best Adam's, README settings", "mean_vs_adam",
                  3.0, (harness.RECIPE_NAME, "kfac_optax (tuned)")),
