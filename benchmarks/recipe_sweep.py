@@ -157,8 +157,8 @@ def markdown(payload) -> str:
       f"{budget['adam_seconds']:.1f} s. Estimated time ratio = steps to "
       f"{budget['label']} × the candidate's mean step here / Adam's seconds "
       f"(target <= {payload['limit']:g}). Every candidate: momentum 0.9, "
-      "statistics every 10 steps, inverses every 50, other settings at "
-      "`kfac`'s defaults.", "",
+      "statistics every 10 steps and inverses every 50 unless its name says "
+      "otherwise, other settings at `kfac`'s defaults.", "",
       "| candidate | mean ms/step | final loss | "
       + " | ".join(f"steps to {t['label']}" for t in targets)
       + " | estimated time / Adam's |",
