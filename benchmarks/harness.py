@@ -554,9 +554,9 @@ def summarize(contenders, records, compile_s, target_steps, key_step,
   Targets: for each step k of ``target_steps`` the lowest smoothed loss any
   Adam had at step k ("T{k}"); with ``budget_s``, the lowest smoothed loss
   any Adam had when its budget ran out ("B{budget_s}s"), smoothed over
-  `BUDGET_WINDOW` steps (for every contender's time to it too). Loss curves, final
-  losses and steps to targets come from the first repeat (runs are
-  deterministic); seconds to targets are medians over repeats.
+  `BUDGET_WINDOW` steps (for every contender's time to it too). Loss
+  curves, final losses and steps to targets come from the first repeat
+  (runs are deterministic); seconds to targets are medians over repeats.
   """
   rows = {}
   for c in contenders:
@@ -751,9 +751,9 @@ def markdown_section(payload):
       "round-robin; timings are medians over the timed runs. Mean ms/step "
       "includes the inverse refreshes. Targets T*k* = the lowest smoothed "
       f"(trailing mean of {WINDOW}) loss any Adam had at step *k*"
-      + (f"; B*s*s = the lowest loss any Adam had when its *s* seconds of "
-         f"step time ran out, smoothed over {summary.get('budget_window', WINDOW)} "
-         f"steps for it and for everyone's time to it" if config.get("budget_s")
+      + ("; B*s*s = the lowest loss any Adam had when its *s* seconds of "
+         f"step time ran out, smoothed over {summary['budget_window']} steps "
+         "for it and for everyone's time to it" if config.get("budget_s")
          else "")
       + "; cells give steps / seconds to reach it (— = not reached).",
   ]
