@@ -587,7 +587,9 @@ def summarize(contenders, records, compile_s, target_steps, key_step,
     lowest({n: rows[n]["smoothed"][min(step, rows[n]["steps"]) - 1] for n in adams},
            label=f"T{step}", step=step, window=WINDOW)
   if budget_s is not None:
-    lowest({n: np.mean(rows[n]["losses"][-BUDGET_WINDOW:]) for n in adams},
+    # The same smoothing as the curves it is reached on: the source Adam
+    # reaches its own target exactly, not one rounding error short.
+    lowest({n: trailing_mean(rows[n]["losses"], BUDGET_WINDOW)[-1] for n in adams},
            label=f"B{budget_s:g}s", budget_s=budget_s, window=BUDGET_WINDOW)
   for name, row in rows.items():
     row["to_target"] = []

@@ -115,7 +115,7 @@ def main(argv=None):
   rows, _ = harness.summarize(racers, records, compile_s, [], 0)
   for row in rows.values():
     row["to_target"] = [harness.first_reach(
-        harness.trailing_mean(row["losses"], t.get("window", harness.WINDOW)),
+        harness.trailing_mean(row["losses"], t["window"]),
         row["step_s"], t["loss"])[0] for t in targets]
     reached = row["to_target"][-1]
     row["estimated_budget_time_vs_adam"] = (

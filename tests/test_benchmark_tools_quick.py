@@ -15,8 +15,9 @@ def test_recipe_sweep_estimates_each_candidates_time_to_the_budget_target(
     monkeypatch):
   """Steps to the workload's targets, and the estimated time ratio: steps to
   B120s × the candidate's mean step / Adam's seconds to B120s."""
-  targets = [dict(label="T50", loss=1e9), dict(label="B120s", loss=1e9,
-                                               adam_seconds=2.0)]
+  targets = [dict(label="T50", loss=1e9, window=harness.WINDOW),
+             dict(label="B120s", loss=1e9, adam_seconds=2.0,
+                  window=harness.BUDGET_WINDOW)]
   monkeypatch.setattr(recipe_sweep, "reference_run",
                       lambda name: (targets, 50.0, "2026-01-01"))
   configs = "learning_rate=0.03,damping=0.01;learning_rate=0.003,norm_constraint=None"
