@@ -39,8 +39,7 @@ import kfac_optax  # pylint: disable=wrong-import-position,wrong-import-order
 QUICK_IMAGES = 256
 DEFAULTS = dict(budget_s=120.0, matched_steps=200, quick_steps=2, kfac_lr=0.03,
                 kfac_damping=3.0,
-                tuned=dict(**harness.RECIPE, norm_constraint=1e-3,
-                           curvature_batch_size=250),
+                tuned=dict(**harness.RECIPE, curvature_batch_size=250),
                 adaptive=True, adam_lrs=[3e-4, 1e-3, 3e-3],
                 target_steps=[30, 60, 120, 200])
 GOALS = (

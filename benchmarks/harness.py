@@ -5,7 +5,8 @@ targets (`Goal`), then calls `main`. Everything else is here, so that every
 workload is measured the same way:
 
 - Contenders: ``kfac_optax.kfac`` with fixed learning rate and damping
-  (momentum 0.9); optionally a tuned kfac_optax and one with adaptive
+  (momentum 0.9); optionally a tuned kfac_optax (its own complete settings
+  over `kfac`'s defaults) and one with adaptive
   learning rate, momentum and damping (kfac-jax's adaptive settings);
   ``optax.adam`` at several learning rates; kfac-jax with matched settings
   (same learning rate, momentum, damping, curvature EMA, inverse period and
@@ -361,7 +362,7 @@ def make_contenders(workload, args, kfac_jax, model_state=None):
   if args.recipe:
     contenders.append(ours(RECIPE_NAME, RECIPE))
   if args.tuned:
-    contenders.append(ours("kfac_optax (tuned)", {**kfac, **args.tuned}))
+    contenders.append(ours("kfac_optax (tuned)", args.tuned))
   if args.adaptive:
     contenders.append(ours("kfac_optax (adaptive)", {**kfac, **KFAC_OPTAX_ADAPTIVE},
                            args.matched_steps))
@@ -852,7 +853,8 @@ def parse_args(argv, defaults: dict, description: str):
                       f"recommended settings ({RECIPE})")
   parser.add_argument("--tuned", type=parse_settings,
                       help="a second kfac_optax, e.g. 'learning_rate=0.1,"
-                      "damping=1' (any kfac_optax.kfac keyword); 'none': off")
+                      "damping=1' (kfac_optax.kfac keywords, its defaults "
+                      "for the others); 'none': off")
   parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction,
                       default=False, help="a kfac_optax with the adaptive "
                       "controls of the kfac-jax (adaptive) contender")

@@ -18,6 +18,7 @@ transformations; it is public for users who want the products themselves.
 
 import dataclasses
 import fnmatch
+import functools
 import inspect
 from typing import Any, Callable, Mapping, NamedTuple
 import warnings
@@ -30,6 +31,7 @@ import optax
 from kfac_optax import blocks
 from kfac_optax import capture
 from kfac_optax import checks
+from kfac_optax import conv_layout
 from kfac_optax import layouts
 from kfac_optax import linalg
 from kfac_optax import losses
@@ -758,9 +760,13 @@ class Curvature:
     plan = self._plan(params, batch, variables, list(variables), "batch")
     damping = jnp.asarray(damping, state.damping.dtype)
 
+    # Under `on_schedule`'s lax.cond, XLA:CPU would compile the capture's
+    # backward convolutions as plain loops (see `conv_layout`).
+    batch_statistics = conv_layout.canonical_convolutions(
+        functools.partial(self._batch_statistics, plan))
+
     def with_new_statistics(carry):
-      return self._fold_in(*carry, self._batch_statistics(
-          plan, params, batch, variables, rng))
+      return self._fold_in(*carry, batch_statistics(params, batch, variables, rng))
     factors, stats_count, rejected_statistics = on_schedule(
         self.stats_update_period, state.count, with_new_statistics,
         (state.factors, state.stats_count, state.rejected_statistics))
