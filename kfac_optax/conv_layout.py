@@ -7,10 +7,10 @@ only in the program's top-level computation. The backward pass through a
 convolution is such another layout: jax transposes a convolution into one
 whose kernel has its in and out features swapped. Inside the `lax.cond` that
 runs K-FAC's statistics on a schedule, XLA:CPU compiled those backward
-convolutions into plain loops: 18x slower in a four-layer test, and on the
-benchmark ResNet (`benchmarks/resnet.py`, statistics from 32 examples) a
-statistics step cost 198 ms more than a plain step under the `lax.cond`,
-62 ms more without it (statistics every step).
+convolutions into plain loops: on the benchmark ResNet (statistics from 32
+examples) a statistics step cost 180 ms more than a plain step, against 60
+ms with statistics every step, where there is no `lax.cond`, and 65 ms
+under it with this module (`benchmarks/statistics_step.py`).
 
 `canonical_convolutions` traces a function and evaluates its jaxpr with
 every convolution written in the canonical layout by explicit transposes,

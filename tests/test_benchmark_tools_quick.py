@@ -1,6 +1,7 @@
 """Quick modes of the benchmark tools that are not workloads: the recipe
-sweep, the sub-batch race, forward sharing and the step profile (a file of
-their own, so that the suite's workers share the benchmarks' compile time)."""
+sweep, the sub-batch race, forward sharing, the step profile and the
+statistics step (a file of their own, so that the suite's workers share the
+benchmarks' compile time)."""
 
 import pytest
 
@@ -8,7 +9,9 @@ from benchmarks import curvature_batch
 from benchmarks import forward_sharing
 from benchmarks import harness
 from benchmarks import recipe_sweep
+from benchmarks import statistics_step
 from benchmarks import step_profile
+from kfac_optax import conv_layout
 
 
 def test_recipe_sweep_estimates_each_candidates_time_to_the_budget_target(
@@ -56,3 +59,19 @@ def test_step_profile_quick_mode_times_every_part():
   assert all(v > 0 for v in result["median_ms"].values())
   assert set(result["op_ms_per_step"]) == set(step_profile.PARTS)
   assert sum(result["op_ms_per_step"].values()) > 0
+
+
+def test_statistics_step_quick_mode_times_each_variant_by_step_kind():
+  rows = statistics_step.main(["--quick"])["rows"]
+  assert list(rows) == [name for name, _, _ in statistics_step.VARIANTS]
+  plain, every_step, *under_cond = rows.values()
+  assert plain["with_statistics_ms"] is None and plain["without_statistics_ms"] > 0
+  assert every_step["without_statistics_ms"] is None
+  for row in under_cond:  # steps 1-3: statistics at step 2 only
+    assert row["with_statistics_ms"] > 0 and row["without_statistics_ms"] > 0
+    assert row["statistics_cost_ms"] == pytest.approx(
+        row["with_statistics_ms"] - plain["without_statistics_ms"])
+  # The variants' patches were undone.
+  assert statistics_step.curvature.conv_layout.canonical_convolutions is (
+      conv_layout.canonical_convolutions)
+  assert statistics_step.blocks._MIN_CHUNK_FLOATS == 2**22  # pylint: disable=protected-access

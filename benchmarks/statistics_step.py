@@ -1,0 +1,167 @@
+"""What one statistics step costs on a conv net, and what made it slow on CPU.
+
+K-FAC's statistics (the capture pass's forward and sampled backward pass,
+the factor products) run on a schedule, inside a `lax.cond`. This races, on
+the ResNet workload (`resnet.py`) at its tuned settings (statistics from 32
+of the 128 examples), interleaved in one run (`harness.race`):
+
+1. no statistics (a plain step: gradient and preconditioning);
+2. statistics every step (``stats_update_period=1``: no `lax.cond`);
+3. statistics every 2nd step, under the `lax.cond`, as the library runs them;
+4. the same without `kfac_optax.conv_layout`: the capture's convolutions as
+   jax traces them (XLA:CPU compiles the backward ones, inside the cond, as
+   plain loops);
+5. the same with the convolution Gram in one-example chunks
+   (`blocks._MIN_CHUNK_FLOATS` = 1, the bound before it).
+
+Variants 4 and 5 patch the library while their step compiles. Reports the
+median of the steps with statistics and of those without, and the cost of
+a statistics step over a plain one. Inverses are computed once, at step 0.
+Writes ``results/statistics_step.json`` and a RESULTS.md section.
+
+From the repository root::
+
+  python benchmarks/statistics_step.py          # ~3 min on 2 CPU cores
+  python benchmarks/statistics_step.py --quick  # smoke test, writes nothing
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import harness  # pylint: disable=wrong-import-position
+from benchmarks import resnet  # pylint: disable=wrong-import-position
+
+from kfac_optax import blocks  # pylint: disable=wrong-import-position,wrong-import-order
+from kfac_optax import curvature  # pylint: disable=wrong-import-position,wrong-import-order
+
+NAME = "statistics_step"
+NEVER = 10**9
+
+
+@contextlib.contextmanager
+def patched(module, name, value):
+  old = getattr(module, name)
+  setattr(module, name, value)
+  try:
+    yield
+  finally:
+    setattr(module, name, old)
+
+
+@contextlib.contextmanager
+def layouts_as_traced():
+  """`conv_layout.canonical_convolutions` switched off."""
+  with patched(curvature.conv_layout, "canonical_convolutions", lambda fn: fn):
+    yield
+
+
+# (name, statistics period, a patch active while the step compiles)
+VARIANTS = (
+    ("no statistics", NEVER, contextlib.nullcontext),
+    ("statistics every step (no lax.cond)", 1, contextlib.nullcontext),
+    ("statistics every 2nd step (lax.cond)", 2, contextlib.nullcontext),
+    ("every 2nd, convolutions as traced", 2, layouts_as_traced),
+    ("every 2nd, one-example Gram chunks", 2,
+     lambda: patched(blocks, "_MIN_CHUNK_FLOATS", 1)),
+)
+
+
+def contenders(workload, model_state):
+  step = harness.train_step(workload)
+  racers = []
+  for name, period, patch in VARIANTS:
+    settings = {**resnet.DEFAULTS["tuned"], "stats_update_period": period,
+                "inverse_update_period": NEVER}
+    racer = harness.kfac_optax_contender(name, settings, workload, step, model_state)
+
+    def step_under_patch(state, batch, rng, i, inner=racer.step, patch=patch):
+      with patch():  # only the first call traces and compiles
+        return inner(state, batch, rng, i)
+    racers.append(dataclasses.replace(racer, step=step_under_patch))
+  return racers
+
+
+def summarize(record):
+  """Per variant, the medians of its steps with and without statistics
+  (step 0, which also inverts, left out) and their cost over a plain step."""
+  rows = {}
+  for name, period, _ in VARIANTS:
+    ms = 1e3 * np.asarray(record[name]["step_s"])[1:]
+    has_statistics = np.arange(1, len(ms) + 1) % period == 0
+    rows[name] = dict(
+        period=period if period < NEVER else None,
+        with_statistics_ms=harness.median_or_none(list(ms[has_statistics])),
+        without_statistics_ms=harness.median_or_none(list(ms[~has_statistics])))
+  plain = rows[VARIANTS[0][0]]["without_statistics_ms"]
+  for row in rows.values():
+    row["statistics_cost_ms"] = (None if row["with_statistics_ms"] is None
+                                 else row["with_statistics_ms"] - plain)
+  return rows
+
+
+def markdown(payload) -> str:
+  lines = [
+      f"## One statistics step on a conv net: {payload['title']}", "",
+      f"- **Command:** `{payload['command']}` ({payload['date']}, "
+      f"{payload['wall_s'] / 60:.1f} min); one timed run of "
+      f"{payload['steps']} steps, the variants interleaved; method: the "
+      "docstring of `benchmarks/statistics_step.py`.",
+      f"- **Machine:** {payload['environment']['cpu']}, "
+      f"{payload['environment']['cores']} cores; load average "
+      f"{payload['load_average']['min']:.1f}-{payload['load_average']['max']:.1f}.",
+      f"- **Workload:** {payload['description']} Batch "
+      f"{payload['batch_size']}; kfac_optax at the benchmark's tuned settings "
+      "(`curvature_batch_size=32`), inverses once at step 0.", "",
+      "| variant | median ms, steps with statistics | median ms, steps "
+      "without | statistics step over a plain one, ms |",
+      "|---|---:|---:|---:|"]
+  for name, row in payload["rows"].items():
+    lines.append(f"| {name} | {harness.fmt(row['with_statistics_ms'])} | "
+                 f"{harness.fmt(row['without_statistics_ms'])} | "
+                 f"{harness.fmt(row['statistics_cost_ms'])} |")
+  lines += ["", f"Raw data: `benchmarks/results/{payload['name']}.json`."]
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--steps", type=int, default=40)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--quick", action="store_true",
+                      help="a few steps of the small workload; writes nothing")
+  args = parser.parse_args(argv)
+  started = time.perf_counter()
+  workload = resnet.workload(args.quick)
+  steps = 4 if args.quick else args.steps
+  params, model_state = harness.initial_variables(workload, args.seed)
+  racers = contenders(workload, model_state)
+  env, load, _, (record,) = harness.interleaved_run(
+      workload, racers, params, steps, args.seed, args.quick)
+  name = NAME + harness.backend_suffix()
+  payload = dict(
+      name=name, title=workload.title, description=workload.description,
+      command=" ".join(["python benchmarks/statistics_step.py",
+                        *(sys.argv[1:] if argv is None else argv)]),
+      date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+      environment=env, load_average=load, steps=steps,
+      batch_size=workload.batch_size, rows=summarize(record))
+  payload["wall_s"] = time.perf_counter() - started
+  section = markdown(payload)
+  if not args.quick:
+    harness.write_json(os.path.join(harness.RESULTS_DIR, f"{name}.json"), payload)
+    harness.update_markdown(harness.RESULTS_MD, name, section,
+                            "benchmarks/statistics_step.py")
+  print("\n" + section + "\n", flush=True)
+  return payload
+
+
+if __name__ == "__main__":
+  main()
