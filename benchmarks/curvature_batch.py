@@ -18,7 +18,6 @@ From the repository root::
 """
 
 import argparse
-import datetime
 import os
 import sys
 import time
@@ -112,22 +111,15 @@ def main(argv=None):
   rows, summary = harness.summarize(racers, records, compile_s, [key_step], key_step)
   name = f"curvature_batch_{workload.name}{harness.backend_suffix()}"
   payload = dict(
-      name=name, title=workload.title, description=workload.description,
-      command=" ".join(["python benchmarks/curvature_batch.py",
-                        *(sys.argv[1:] if argv is None else argv)]),
-      date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+      **harness.payload_header(name, workload, "benchmarks/curvature_batch.py", argv),
       environment=env, load_average=load,
       config=dict(steps=steps, batch_size=workload.batch_size, seed=args.seed,
                   quick=args.quick),
       loss_steps=[s for s in LOSS_STEPS if s <= steps] or [steps],
       rows=rows, summary=summary)
   payload["wall_s"] = time.perf_counter() - started
-  section = markdown(payload)
-  if not args.quick:
-    harness.write_json(os.path.join(harness.RESULTS_DIR, f"{name}.json"), payload)
-    harness.update_markdown(harness.RESULTS_MD, name, section,
-                            "benchmarks/curvature_batch.py")
-  print("\n" + section + "\n", flush=True)
+  harness.publish(name, payload, markdown(payload), "benchmarks/curvature_batch.py",
+                  write=not args.quick)
   return payload
 
 

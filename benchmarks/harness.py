@@ -793,6 +793,25 @@ def markdown_section(payload):
   return "\n".join(lines)
 
 
+def payload_header(name, workload, script, argv=None):
+  """What a tool's JSON payload starts with: names, the command that ran
+  ``script`` (with ``argv``, default the command line's) and the UTC date."""
+  return dict(
+      name=name, title=workload.title, description=workload.description,
+      command=" ".join([f"python {script}", *(sys.argv[1:] if argv is None else argv)]),
+      date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+
+
+def publish(name, payload, section, script=None, write=True):
+  """Prints ``section``; with ``write``, saves ``payload`` as
+  ``results/<name>.json`` and ``section`` as ``name``'s RESULTS.md section
+  (``script``: see `update_markdown`)."""
+  if write:
+    write_json(os.path.join(RESULTS_DIR, f"{name}.json"), payload)
+    update_markdown(RESULTS_MD, name, section, script)
+  print("\n" + section + "\n", flush=True)
+
+
 def update_markdown(path, name, section, script=None):
   """Replaces the section between ``name``'s markers in ``path`` (or appends it).
 

@@ -130,13 +130,8 @@ def main(argv=None):
       environment=env, load_average=load, reference_date=reference_date,
       targets=targets, steps=steps, rows=rows,
       wall_s=time.perf_counter() - started)
-  section = markdown(payload)
-  if not args.quick:
-    harness.write_json(os.path.join(harness.RESULTS_DIR, f"{payload['name']}.json"),
-                       payload)
-    harness.update_markdown(harness.RESULTS_MD, payload["name"], section,
-                            "benchmarks/recipe_sweep.py")
-  print("\n" + section + "\n", flush=True)
+  harness.publish(payload["name"], payload, markdown(payload),
+                  "benchmarks/recipe_sweep.py", write=not args.quick)
   return payload
 
 

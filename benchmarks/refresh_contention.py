@@ -287,12 +287,8 @@ def main(argv=None):
   print("Newton-Schulz iterations on the example's factors", flush=True)
   payload["iterations"] = example_iterations(args.iteration_steps)
   payload["wall_s"] = time.perf_counter() - started
-  section = markdown(payload)
-  if not args.quick:
-    harness.write_json(os.path.join(harness.RESULTS_DIR, "refresh_contention.json"),
-                       payload)
-    harness.update_markdown(harness.RESULTS_MD, "refresh_contention", section)
-  print("\n" + section + "\n", flush=True)
+  harness.publish("refresh_contention", payload, markdown(payload),
+                  write=not args.quick)
   return payload
 
 

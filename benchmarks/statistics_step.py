@@ -28,7 +28,6 @@ From the repository root::
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import os
 import sys
 import time
@@ -43,6 +42,7 @@ from kfac_optax import blocks  # pylint: disable=wrong-import-position,wrong-imp
 from kfac_optax import curvature  # pylint: disable=wrong-import-position,wrong-import-order
 
 NAME = "statistics_step"
+SCRIPT = "benchmarks/statistics_step.py"
 NEVER = 10**9
 
 
@@ -147,19 +147,11 @@ def main(argv=None):
       workload, racers, params, steps, args.seed, args.quick)
   name = NAME + harness.backend_suffix()
   payload = dict(
-      name=name, title=workload.title, description=workload.description,
-      command=" ".join(["python benchmarks/statistics_step.py",
-                        *(sys.argv[1:] if argv is None else argv)]),
-      date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+      **harness.payload_header(name, workload, SCRIPT, argv),
       environment=env, load_average=load, steps=steps,
       batch_size=workload.batch_size, rows=summarize(record))
   payload["wall_s"] = time.perf_counter() - started
-  section = markdown(payload)
-  if not args.quick:
-    harness.write_json(os.path.join(harness.RESULTS_DIR, f"{name}.json"), payload)
-    harness.update_markdown(harness.RESULTS_MD, name, section,
-                            "benchmarks/statistics_step.py")
-  print("\n" + section + "\n", flush=True)
+  harness.publish(name, payload, markdown(payload), SCRIPT, write=not args.quick)
   return payload
 
 

@@ -27,16 +27,17 @@ from jax.extend import source_info_util
 import numpy as np
 
 _CONV = jax.lax.conv_general_dilated_p
+_CHECKPOINT = "remat2"  # the primitive of `jax.checkpoint`
 
 
 def canonical_convolutions(fn: Callable) -> Callable:
   """``fn`` with every convolution it traces in XLA:CPU's canonical layout.
 
-  The same values as ``fn`` (up to float rounding of the convolutions);
-  convolutions inside nested ``jax.jit`` calls are rewritten too (those calls
-  are inlined), those inside other higher-order primitives (``lax.scan``,
-  ``jax.checkpoint``, custom derivatives) are left as they are. Outside CPU
-  this returns ``fn`` itself.
+  The same values as ``fn`` (up to float rounding of the convolutions).
+  Convolutions inside nested ``jax.jit`` calls (which are inlined) and
+  ``jax.checkpoint`` (``nn.remat``) are rewritten too; those inside other
+  higher-order primitives (``lax.scan``, custom derivatives) are left as
+  they are. Outside CPU this returns ``fn`` itself.
   """
   @functools.wraps(fn)
   def rewritten(*args):
@@ -63,6 +64,10 @@ def _evaluate(jaxpr: core.Jaxpr, consts: Sequence, args: Sequence) -> list:
       elif eqn.primitive.name == "jit" and _has_conv(eqn.params["jaxpr"].jaxpr):
         inner = eqn.params["jaxpr"]
         outs = _evaluate(inner.jaxpr, inner.consts, ins)
+      elif eqn.primitive.name == _CHECKPOINT and _has_conv(eqn.params["jaxpr"]):
+        # Kept a checkpoint (XLA must not share its recomputation).
+        outs = eqn.primitive.bind(*ins, **{
+            **eqn.params, "jaxpr": _rewritten(eqn.params["jaxpr"])})
       else:
         outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
         outs = outs if eqn.primitive.multiple_results else [outs]
@@ -70,9 +75,21 @@ def _evaluate(jaxpr: core.Jaxpr, consts: Sequence, args: Sequence) -> list:
   return [read(v) for v in jaxpr.outvars]
 
 
+def _rewritten(jaxpr: core.Jaxpr) -> core.Jaxpr:
+  """``jaxpr`` (without constants) with its convolutions rewritten."""
+  closed = jax.make_jaxpr(lambda *args: _evaluate(jaxpr, [], args))(
+      *[v.aval for v in jaxpr.invars])
+  if closed.consts:  # a constant would need a new input: keep the original
+    return jaxpr
+  return closed.jaxpr
+
+
 def _has_conv(jaxpr: core.Jaxpr) -> bool:
-  return any(eqn.primitive is _CONV or (
-      eqn.primitive.name == "jit" and _has_conv(eqn.params["jaxpr"].jaxpr))
+  def inner(eqn):
+    if eqn.primitive.name == "jit":
+      return eqn.params["jaxpr"].jaxpr
+    return eqn.params["jaxpr"] if eqn.primitive.name == _CHECKPOINT else None
+  return any(eqn.primitive is _CONV or (inner(eqn) is not None and _has_conv(inner(eqn)))
              for eqn in jaxpr.eqns)
 
 

@@ -43,6 +43,9 @@ CASES = {
         (2, 9, 3), (5, 3, 2)),
     "3-d": (lambda x, w: conv(x, w, ("NDHWC", "DHWIO", "NDHWC")),
             (1, 4, 5, 3, 2), (3, 3, 3, 2, 3)),
+    "in a jax.checkpoint": (
+        jax.checkpoint(lambda x, w: jnp.tanh(conv(x, w, ("NHWC", "HWIO", "NHWC")))),
+        (2, 5, 6, 3), (3, 3, 3, 4)),
 }
 
 
@@ -62,7 +65,8 @@ def dim_labels(compiled_text):
   return set(re.findall(r"dim_labels=([\w>-]+)", compiled_text))
 
 
-@pytest.mark.parametrize("name", ["NHWC/HWIO", "NCHW/OIHW", "1-d, in a nested jit", "3-d"])
+@pytest.mark.parametrize("name", ["NHWC/HWIO", "NCHW/OIHW", "1-d, in a nested jit", "3-d",
+                                  "in a jax.checkpoint"])
 def test_every_convolution_under_a_cond_is_canonical(name):
   f, x_shape, w_shape = CASES[name]
   run = conv_layout.canonical_convolutions(value_and_both_grads(f))
