@@ -14,8 +14,8 @@ under it with this module (`benchmarks/statistics_step.py`).
 
 `canonical_convolutions` traces a function and evaluates its jaxpr with
 every convolution written in the canonical layout by explicit transposes,
-which XLA keeps; the rest of the program is bound unchanged. Only on CPU:
-elsewhere the function is returned as it is.
+which XLA keeps; the rest of the program is bound unchanged. Only on CPU,
+and only where the function has a convolution.
 """
 
 import functools
@@ -37,13 +37,16 @@ def canonical_convolutions(fn: Callable) -> Callable:
   Convolutions inside nested ``jax.jit`` calls (which are inlined) and
   ``jax.checkpoint`` (``nn.remat``) are rewritten too; those inside other
   higher-order primitives (``lax.scan``, custom derivatives) are left as
-  they are. Outside CPU this returns ``fn`` itself.
+  they are. A function without convolutions, or any function outside CPU,
+  runs as ``fn`` traces it.
   """
   @functools.wraps(fn)
   def rewritten(*args):
     if jax.default_backend() != "cpu":
       return fn(*args)
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    if not _has_conv(closed.jaxpr):  # the program exactly as ``fn`` traces it
+      return fn(*args)
     outs = _evaluate(closed.jaxpr, closed.consts, jax.tree.leaves(args))
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
   return rewritten

@@ -61,6 +61,14 @@ def test_values_and_gradients_equal_the_original(name):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_function_without_convolutions_lowers_to_the_same_program():
+  def dense(x, w):
+    return jax.jit(jnp.tanh)(x @ w).sum()
+  args = jnp.ones((3, 4)), jnp.ones((4, 2))
+  rewritten = jax.jit(conv_layout.canonical_convolutions(dense)).lower(*args)
+  assert rewritten.as_text() == jax.jit(dense).lower(*args).as_text()
+
+
 def dim_labels(compiled_text):
   return set(re.findall(r"dim_labels=([\w>-]+)", compiled_text))
 
