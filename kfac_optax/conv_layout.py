@@ -79,12 +79,13 @@ def _evaluate(jaxpr: core.Jaxpr, consts: Sequence, args: Sequence) -> list:
 
 
 def _rewritten(jaxpr: core.Jaxpr) -> core.Jaxpr:
-  """``jaxpr`` (without constants) with its convolutions rewritten."""
-  closed = jax.make_jaxpr(lambda *args: _evaluate(jaxpr, [], args))(
-      *[v.aval for v in jaxpr.invars])
-  if closed.consts:  # a constant would need a new input: keep the original
-    return jaxpr
-  return closed.jaxpr
+  """``jaxpr`` (a checkpoint's: no constants) with its convolutions rewritten.
+
+  The rewrite adds no constants either: it binds only the original's
+  operands, literals and transposes.
+  """
+  return jax.make_jaxpr(lambda *args: _evaluate(jaxpr, [], args))(
+      *[v.aval for v in jaxpr.invars]).jaxpr
 
 
 def _has_conv(jaxpr: core.Jaxpr) -> bool:
