@@ -53,6 +53,7 @@ def canonical_convolutions(fn: Callable) -> Callable:
 
 
 def _evaluate(jaxpr: core.Jaxpr, consts: Sequence, args: Sequence) -> list:
+  """``jaxpr``'s outputs at ``args``, its convolutions bound canonical."""
   env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
   read = lambda v: v.val if isinstance(v, core.Literal) else env[v]
   for eqn in jaxpr.eqns:
@@ -68,7 +69,7 @@ def _evaluate(jaxpr: core.Jaxpr, consts: Sequence, args: Sequence) -> list:
         inner = eqn.params["jaxpr"]
         outs = _evaluate(inner.jaxpr, inner.consts, ins)
       elif eqn.primitive.name == _CHECKPOINT and _has_conv(eqn.params["jaxpr"]):
-        # Kept a checkpoint (XLA must not share its recomputation).
+        # Stays a checkpoint: XLA must not share its recomputation.
         outs = eqn.primitive.bind(*ins, **{
             **eqn.params, "jaxpr": _rewritten(eqn.params["jaxpr"])})
       else:
