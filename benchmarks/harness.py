@@ -77,6 +77,7 @@ KFAC_JAX_VERSION = "0.0.8"
 KFAC_JAX_MATCHED = "kfac-jax (matched)"
 WINDOW = 10
 BUDGET_WINDOW = 50
+NEVER = 10**9  # a refresh period: once at step 0, then never
 WARMUP_STEPS = 6  # past the first inverse refresh after step 0 (period 5)
 # kfac-jax's examples/autoencoder_mnist/pipeline.py (no burn-in, no L2).
 KFAC_JAX_ADAPTIVE = dict(

@@ -31,6 +31,7 @@ import dataclasses
 import os
 import sys
 import time
+from unittest import mock
 
 import numpy as np
 
@@ -43,34 +44,18 @@ from kfac_optax import curvature  # pylint: disable=wrong-import-position,wrong-
 
 NAME = "statistics_step"
 SCRIPT = "benchmarks/statistics_step.py"
-NEVER = 10**9
-
-
-@contextlib.contextmanager
-def patched(module, name, value):
-  old = getattr(module, name)
-  setattr(module, name, value)
-  try:
-    yield
-  finally:
-    setattr(module, name, old)
-
-
-@contextlib.contextmanager
-def layouts_as_traced():
-  """`conv_layout.canonical_convolutions` switched off."""
-  with patched(curvature.conv_layout, "canonical_convolutions", lambda fn: fn):
-    yield
 
 
 # (name, statistics period, a patch active while the step compiles)
 VARIANTS = (
-    ("no statistics", NEVER, contextlib.nullcontext),
+    ("no statistics", harness.NEVER, contextlib.nullcontext),
     ("statistics every step (no lax.cond)", 1, contextlib.nullcontext),
     ("statistics every 2nd step (lax.cond)", 2, contextlib.nullcontext),
-    ("every 2nd, convolutions as traced", 2, layouts_as_traced),
+    ("every 2nd, convolutions as traced", 2,
+     lambda: mock.patch.object(curvature.conv_layout, "canonical_convolutions",
+                               lambda fn: fn)),
     ("every 2nd, one-example Gram chunks", 2,
-     lambda: patched(blocks, "_MIN_CHUNK_FLOATS", 1)),
+     lambda: mock.patch.object(blocks, "_MIN_CHUNK_FLOATS", 1)),
 )
 
 
@@ -79,7 +64,7 @@ def contenders(workload, model_state):
   racers = []
   for name, period, patch in VARIANTS:
     settings = {**resnet.DEFAULTS["tuned"], "stats_update_period": period,
-                "inverse_update_period": NEVER}
+                "inverse_update_period": harness.NEVER}
     racer = harness.kfac_optax_contender(name, settings, workload, step, model_state)
 
     def step_under_patch(state, batch, rng, i, inner=racer.step, patch=patch):
@@ -97,7 +82,7 @@ def summarize(record):
     ms = 1e3 * np.asarray(record[name]["step_s"])[1:]
     has_statistics = np.arange(1, len(ms) + 1) % period == 0
     rows[name] = dict(
-        period=period if period < NEVER else None,
+        period=period if period < harness.NEVER else None,
         with_statistics_ms=harness.median_or_none(list(ms[has_statistics])),
         without_statistics_ms=harness.median_or_none(list(ms[~has_statistics])))
   plain = rows[VARIANTS[0][0]]["without_statistics_ms"]

@@ -56,7 +56,6 @@ from benchmarks import convnet  # pylint: disable=wrong-import-position
 from benchmarks import harness  # pylint: disable=wrong-import-position
 
 NAME = "step_profile"
-NEVER = 10**9  # a refresh period: once at step 0, then never
 TOP_OPS = 8
 PARTS = ("forward (shared with the capture)",
          "backward passes (user's and capture's)",
@@ -78,9 +77,9 @@ def variants(workload, settings, inverse_period):
   return [
       harness.optax_contender("gradient + SGD-momentum", "sgd", sgd, {},
                               workload, step),
-      kfac("+ preconditioning", stats_update_period=NEVER,
-           inverse_update_period=NEVER),
-      kfac("+ statistics every step", inverse_update_period=NEVER),
+      kfac("+ preconditioning", stats_update_period=harness.NEVER,
+           inverse_update_period=harness.NEVER),
+      kfac("+ statistics every step", inverse_update_period=harness.NEVER),
       kfac("+ inverses every step", inverse_update_period=1),
       kfac(f"default (inverses every {inverse_period})",
            inverse_update_period=inverse_period),
