@@ -12,9 +12,11 @@ of the 128 examples), interleaved in one run (`harness.race`):
    jax traces them (XLA:CPU compiles the backward ones, inside the cond, as
    plain loops);
 5. the same with the convolution Gram in one-example chunks
-   (`blocks._MIN_CHUNK_FLOATS` = 1, the bound before it).
+   (`blocks._MIN_CHUNK_FLOATS` = 1, the bound before it);
+6. the same with the Gram of the whole patches, without its translation
+   structure (`kfac_optax.conv_gram`).
 
-Variants 4 and 5 patch the library while their step compiles. Reports the
+Variants 4 to 6 patch the library while their step compiles. Reports the
 median of the steps with statistics and of those without, and the cost of
 a statistics step over a plain one. Inverses are computed once, at step 0.
 Writes ``results/statistics_step.json`` and a RESULTS.md section.
@@ -40,6 +42,7 @@ from benchmarks import harness  # pylint: disable=wrong-import-position
 from benchmarks import resnet  # pylint: disable=wrong-import-position
 
 from kfac_optax import blocks  # pylint: disable=wrong-import-position,wrong-import-order
+from kfac_optax import conv_gram  # pylint: disable=wrong-import-position,wrong-import-order
 from kfac_optax import curvature  # pylint: disable=wrong-import-position,wrong-import-order
 
 NAME = "statistics_step"
@@ -56,6 +59,8 @@ VARIANTS = (
                                lambda fn: fn)),
     ("every 2nd, one-example Gram chunks", 2,
      lambda: mock.patch.object(blocks, "_MIN_CHUNK_FLOATS", 1)),
+    ("every 2nd, Gram of the whole patches", 2,
+     lambda: mock.patch.object(conv_gram, "applies", lambda *args: False)),
 )
 
 
