@@ -73,7 +73,6 @@ def test_translated_gram_equals_the_patch_gram(case, has_bias):
   examples = int(np.prod(config["shape"][:-len(config["kernel_size"]) - 1]))
   example_weights = np.linspace(0.5, 2.0, examples)
   rows_per_example = module.apply(params, x)[..., 0].size // examples
-  assert conv_gram.applies(layout, x.shape, losses.Terms(count=examples), False)
 
   gram = jax.jit(conv_gram.input_gram, static_argnums=(0, 3))(
       layout, x, jnp.repeat(jnp.asarray(example_weights, jnp.float32), rows_per_example),
@@ -83,29 +82,32 @@ def test_translated_gram_equals_the_patch_gram(case, has_bias):
   np.testing.assert_allclose(gram, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
-def test_applies_only_where_blocks_share_a_diagonal():
-  conv = lambda **kw: layers._conv(  # pylint: disable=protected-access
+def test_applies_where_blocks_share_a_diagonal_and_are_wide():
+  conv = lambda x, **kw: layers._conv(  # pylint: disable=protected-access
       nn.Conv(features=3, **{"kernel_size": (3, 3), **kw}), x, None)
-  x = jnp.zeros((4, 5, 5, 2))
+  x = jnp.zeros((4, 5, 5, 16))  # blocks of 3 x 16 columns
   terms = losses.Terms(count=4)
-  assert conv_gram.applies(conv(), x.shape, terms, False)
-  assert conv_gram.applies(conv(strides=(1, 2)), x.shape, terms, False)
+  assert conv_gram.applies(conv(x), x.shape, terms, False)
+  assert conv_gram.applies(conv(x, strides=(1, 2)), x.shape, terms, False)
   # A per-example mask weights whole examples: it still applies.
-  assert conv_gram.applies(conv(), x.shape, terms._replace(mask=jnp.ones(4)), False)
-  assert not conv_gram.applies(conv(), x.shape, terms._replace(mask=jnp.ones((4, 5))), False)
-  assert not conv_gram.applies(conv(strides=(2, 1)), x.shape, terms, False)
-  assert not conv_gram.applies(conv(kernel_size=(1, 3)), x.shape, terms, False)
-  assert not conv_gram.applies(conv(), x.shape, terms, True)  # a diagonal factor
+  assert conv_gram.applies(conv(x), x.shape, terms._replace(mask=jnp.ones(4)), False)
+  assert not conv_gram.applies(conv(x), x.shape, terms._replace(mask=jnp.ones((4, 5))), False)
+  assert not conv_gram.applies(conv(x, strides=(2, 1)), x.shape, terms, False)
+  assert not conv_gram.applies(conv(x, kernel_size=(1, 3)), x.shape, terms, False)
+  assert not conv_gram.applies(conv(x), x.shape, terms, True)  # a diagonal factor
+  narrow = x[..., :4]  # blocks of 3 x 4 columns: the whole Gram is as fast
+  assert not conv_gram.applies(conv(narrow), narrow.shape, terms, False)
   assert not conv_gram.applies(layouts.dense(2, 3), (4, 2), terms, False)
 
 
 def test_block_statistics_in_chunks_and_under_a_mask_match_the_whole_patches():
   """The block's chunked scan (several chunks) and per-example mask feed the
   translated Gram the same rows and weights as the plain patch Gram."""
-  x = jax.random.normal(jax.random.PRNGKey(1), (6, 5, 4, 3))
+  x = jax.random.normal(jax.random.PRNGKey(1), (6, 5, 4, 11))
   module = nn.Conv(features=4, kernel_size=(3, 3), padding="SAME")
   block = blocks.KroneckerBlock(layers._conv(module, x, None), True)  # pylint: disable=protected-access
   terms = losses.Terms(count=4.0, mask=jnp.array([1.0, 0.0, 1.0, 1.0, 0.0, 1.0]))
+  assert conv_gram.applies(block.layout, x.shape, terms, False)
   factor = lambda: jax.jit(lambda x: block.input_factor([x], terms))(x)
   with mock.patch.object(blocks, "_MIN_CHUNK_FLOATS", 1):  # one example per chunk
     chunked = factor()
