@@ -30,8 +30,9 @@ def cases():
       "sequence-fallback": (
           SequenceNet(), (jax.random.normal(jax.random.key(0), (16, 7, 2)),
                           jnp.arange(16) % 4), softmax, None, "fisher"),
+      # 11 channels: kernel rows 33 wide, so the input factor is `conv_gram`'s.
       "conv-norm-exact": (
-          ConvNet(), (jax.random.normal(jax.random.key(0), (16, 6, 6, 2)),
+          ConvNet(), (jax.random.normal(jax.random.key(0), (16, 6, 6, 11)),
                       jnp.arange(16) % 3), softmax, None, "exact"),
       "embed-masked": (
           TokenNet(), token_batch(0, lengths=tuple(range(1, 9)) * 2),
