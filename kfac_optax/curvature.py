@@ -404,6 +404,12 @@ class Curvature:
   def __post_init__(self):
     # An nnx.Module runs through its own front-end (see `nnx_capture`).
     object.__setattr__(self, "apply_fn", nnx_capture.front_end(self.apply_fn))
+    if not isinstance(self.loss, losses.PredictiveLoss):
+      raise TypeError(
+          "loss must be a kfac_optax.losses predictive distribution, e.g. "
+          "kfac_optax.losses.softmax_cross_entropy() for integer labels, got "
+          f"{self.loss!r}: K-FAC samples targets from it and needs its output "
+          "Fisher, which a loss function such as optax's does not give")
     if self.estimation not in losses.ESTIMATIONS:
       raise ValueError(f"estimation must be one of {losses.ESTIMATIONS}, "
                        f"got {self.estimation!r}")
@@ -556,7 +562,9 @@ class Curvature:
       raise ValueError(
           f"apply_fn runs on {what}, but not under K-FAC's capture of its "
           f"layers: {type(error).__name__}: {error}{fix}") from error
-    jax.eval_shape(self._model_output, discovered.outputs)  # outputs= checked
+    # outputs= and the loss's targets (shapes, dtype) checked on this batch
+    jax.eval_shape(lambda out: self.loss.batch_targets(self._model_output(out), batch),
+                   discovered.outputs)
     return discovered
 
   def _plan(self, params, batch, variables, mutable, what) -> _Plan:

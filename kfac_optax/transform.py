@@ -329,9 +329,13 @@ class KFACState(NamedTuple):
 
 def _check_kfac_settings(arguments: dict[str, Any]) -> None:
   """`kfac`'s own numeric settings (`Curvature` checks the shared ones)."""
-  for name in ("learning_rate", "norm_constraint"):
-    if arguments[name] is not None:
-      checks.positive(name, arguments[name])
+  learning_rate = arguments["learning_rate"]
+  if callable(learning_rate):  # a warmup from 0 (optax's usual) moves nothing at first
+    checks.in_range("learning_rate", learning_rate, 0.0)
+  elif learning_rate is not None:
+    checks.positive("learning_rate", learning_rate)
+  if arguments["norm_constraint"] is not None:
+    checks.positive("norm_constraint", arguments["norm_constraint"])
   for name in ("damping", "min_damping", "max_damping"):
     checks.positive(name, arguments[name])
   checks.ordered("min_damping", arguments["min_damping"],
@@ -418,7 +422,8 @@ def kfac(
       model (see `scale_by_kfac`).
     loss: the model's predictive distribution (`kfac_optax.losses`).
     example_batch: see `scale_by_kfac`.
-    learning_rate: a float, a schedule of the step, or None (the automatic
+    learning_rate: a float > 0, a schedule of the step (>= 0 at count 0:
+      a warmup from 0 takes no step at first), or None (the automatic
       mode: chosen by the quadratic model).
     momentum: a float, a schedule, None (chosen by the quadratic model), or
       ``"auto"``: None without a learning rate, else 0.9.

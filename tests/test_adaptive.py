@@ -331,6 +331,18 @@ def test_burnin_gathers_statistics_without_moving():
   assert np.any(flat64(updates[2]) != 0)
 
 
+def test_a_warmup_from_zero_moves_nothing_then_the_scheduled_step():
+  # optax's usual warmup starts at 0; without momentum the step after it is
+  # the constant learning rate's step (same statistics, same inverses).
+  make = lambda lr: kfac_optax.kfac(bf.TinyMLP().apply, LOSS, learning_rate=lr,
+                                    momentum=0.0, **SETTINGS)
+  warm, _ = run(make(optax.linear_schedule(0.0, 0.1, transition_steps=1)))
+  constant, _ = run(make(0.1))
+  assert all(np.all(np.asarray(leaf) == 0) for leaf in jax.tree.leaves(warm[0]))
+  assert np.any(flat64(warm[1]) != 0)
+  assert bf.relative_error(warm[1], jax.tree.map(np.asarray, constant[1])) < 1e-6
+
+
 def test_l2_reg_is_added_to_the_damping():
   with_l2 = kfac_optax.kfac(bf.TinyMLP().apply, LOSS, learning_rate=0.1, l2_reg=0.05,
                             **SETTINGS)

@@ -45,7 +45,7 @@ KFAC_ONLY = [
     ({"learning_rate": 0.0}, "learning_rate must be > 0, got 0.0"),
     ({"learning_rate": -0.1}, "learning_rate must be > 0, got -0.1"),
     ({"learning_rate": optax.linear_schedule(-1.0, 1.0, 10)},
-     "learning_rate (a schedule, at count 0) must be > 0, got"),
+     "learning_rate (a schedule, at count 0) must be >= 0, got"),
     ({"norm_constraint": 0.0}, "norm_constraint must be > 0, got 0.0"),
     ({"num_burnin_steps": -1}, "num_burnin_steps must be an int >= 0, got -1"),
     ({"min_damping": 0.0}, "min_damping must be > 0, got 0.0"),

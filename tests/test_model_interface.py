@@ -246,6 +246,21 @@ def test_batch_problems_name_the_batch():
   assert BATCH_FIX in message
 
 
+def test_targets_that_do_not_fit_are_named_at_init():
+  one_hot = (BATCH[0], jax.nn.one_hot(BATCH[1], 3))
+  message = init_error(example_batch=one_hot)
+  assert message.startswith("softmax_cross_entropy: targets(batch) has shape "
+                            "(6, 3) (float32) for outputs of shape (6, 3)")
+
+
+def test_a_loss_function_is_not_a_predictive_distribution():
+  with pytest.raises(TypeError, match="loss must be a kfac_optax.losses predictive "
+                     "distribution, e.g. kfac_optax.losses.softmax_cross_entropy"):
+    kfac_optax.kfac(bf.TinyMLP().apply,
+                    optax.softmax_cross_entropy_with_integer_labels,
+                    example_batch=BATCH, learning_rate=0.1)
+
+
 @pytest.mark.parametrize("apply_fn, keyword", [
     (lambda variables, x: bf.TinyMLP().apply(variables, x), "mutable"),
     (lambda variables, x, mutable=False: bf.TinyMLP().apply(
