@@ -116,7 +116,7 @@ def test_non_array_output_without_outputs_names_outputs(model, shown, hint):
   with pytest.raises(TypeError) as error:
     tx.init({"mlp": PARAMS})
   assert shown in str(error.value)
-  assert f"Fix: pass outputs= to scale_by_kfac/kfac (or Curvature)" in str(error.value)
+  assert "Fix: pass outputs= to scale_by_kfac/kfac (or Curvature)" in str(error.value)
   assert hint in str(error.value)
 
 
