@@ -678,8 +678,7 @@ class Curvature:
 
   def _batch_statistics(self, plan, params, batch, variables, rng):
     flat_params, treedef = flatten(params)
-    sample_key, model_key = jax.random.split(
-        jax.random.key(0) if rng is None else rng)
+    sample_key, model_key = jax.random.split(rng)
     run = capture.hooked_apply(self.apply_fn, self._model_args(batch),
                                self._call_kwargs(model_key),
                                [*variables, capture.INPUTS])
@@ -757,7 +756,9 @@ class Curvature:
       params: the model's params.
       batch: the training batch (its first ``curvature_batch_size`` examples
         when that is set).
-      rng: a key (needed for ``estimation="fisher"``/``"curvature_prop"``).
+      rng: a key (needed for ``estimation="fisher"``/``"curvature_prop"``);
+        it also draws the dropout masks of the statistics' pass. None: the
+        masks come from ``fold_in(key(0), state.count)``, new each step.
       variables: other collections the model needs (e.g. batch_stats).
       damping: λ for the inverses refreshed now; a refresh with a λ that
         is not a positive finite number is rejected (counted in the state).
@@ -772,6 +773,9 @@ class Curvature:
     # backward convolutions as plain loops (see `conv_layout`).
     batch_statistics = conv_layout.canonical_convolutions(
         functools.partial(self._batch_statistics, plan))
+
+    if rng is None:  # fresh dropout masks each step, not one fixed mask's bias
+      rng = jax.random.fold_in(jax.random.key(0), state.count)
 
     def with_new_statistics(carry):
       return self._fold_in(*carry, batch_statistics(params, batch, variables, rng))

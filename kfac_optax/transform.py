@@ -248,7 +248,8 @@ def scale_by_kfac(
     ``(grads, state, params, *, batch, rng=None, variables=None)``. ``variables``
     holds other collections the model needs (e.g. ``{"batch_stats": ...}``);
     they are mutable in K-FAC's pass and its changes to them are discarded.
-    ``rng`` also seeds the ``"dropout"`` stream of K-FAC's pass; it must be
+    ``rng`` also seeds the ``"dropout"`` stream of K-FAC's pass (without
+    it, the statistics' masks come from the step count); it must be
     one key (``jax.random.key`` or a raw ``jax.random.PRNGKey``), and
     ``grads`` must have the params' tree and shapes (else a ``TypeError``
     or ``ValueError`` naming the argument); updates come back in the

@@ -2,6 +2,7 @@
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -110,6 +111,37 @@ def test_stats_update_period_skips_statistics():
   expected = bf.factors(params, batch, "empirical")
   for name in bf.LAYERS:
     assert bf.relative_error(factors[0][name], expected[name]) < 1e-4
+
+
+class DropoutMLP(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dropout(0.5, deterministic=False)(nn.tanh(nn.Dense(4)(x)))
+    return nn.Dense(3)(h)
+
+
+def test_dropout_masks_of_the_statistics_change_each_step_without_rng():
+  # One batch, the same params: only the second layer's input factor sees
+  # the dropout mask. A fixed key (an rng given) keeps it; none, new masks.
+  _, batch = bf.tiny_problem()
+  model = DropoutMLP()
+  params = model.init(jax.random.key(1), batch[0])["params"]
+  tx = kfac_optax.scale_by_kfac(model.apply, LOSS, example_batch=batch,
+                                estimation="empirical", ema_decay=0.5)
+  grads = jax.tree.map(jnp.ones_like, params)
+
+  def second_input_factors(rng):
+    state, factors = tx.init(params), []
+    for _ in range(2):
+      _, state = tx.update(grads, state, params, batch=batch, rng=rng)
+      factors.append(np.asarray(state.factors["Dense_1"][0]))
+    return factors
+
+  fixed = second_input_factors(jax.random.key(2))
+  np.testing.assert_allclose(fixed[1], fixed[0], rtol=1e-6, atol=1e-7)
+  fresh = second_input_factors(None)
+  assert bf.relative_error(fresh[1], fresh[0]) > 1e-2
 
 
 def test_eigh_and_cholesky_agree():
