@@ -83,29 +83,54 @@ def _curvature_of(arguments: dict[str, Any]) -> Curvature:
   return Curvature(**{k: v for k, v in arguments.items() if k in names})
 
 
-def _explicit_mesh_axes() -> tuple[str, ...]:
-  """The context mesh's axes of type Explicit (``jax.make_mesh``'s default)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
-               if kind == jax.sharding.AxisType.Explicit)
+def _explicit_mesh(trees: Any) -> jax.sharding.AbstractMesh | None:
+  """The mesh whose Explicit axes (``jax.make_mesh``'s default) type the
+  step: the context mesh (``jax.set_mesh``), else that of an argument's
+  sharding (arrays placed on such a mesh outside any context); None if none."""
+  meshes = [jax.sharding.get_abstract_mesh()] + [
+      jax.typeof(leaf).sharding.mesh for leaf in jax.tree.leaves(trees)
+      if isinstance(leaf, jax.Array)]
+  return next((mesh for mesh in meshes if not mesh.empty and any(
+      kind == jax.sharding.AxisType.Explicit for kind in mesh.axis_types)), None)
 
 
-def _with_auto_axes(update: Callable[..., Any], updates: Any, state: Any,
-                    *args: Any) -> Any:
-  """``update(updates, state, *args)``, with any Explicit mesh axes made Auto.
+def _array_settings(settings: dict[str, Any]) -> dict[str, Any]:
+  """The settings given as arrays (or trees of them, e.g. a jax.Array
+  ``example_batch``): `optax.inject_hyperparams` passes its values so."""
+  found = {}
+  for name, value in settings.items():
+    leaves = jax.tree.leaves(value) if name not in ("apply_fn", "loss", "mesh") else []
+    if leaves and all(isinstance(leaf, jax.Array) for leaf in leaves):
+      found[name] = value
+  return found
+
+
+def _update_with_auto_axes(make: Callable[..., Any], settings: dict[str, Any],
+                           updates: Any, state: Any, params: Any, **kwargs: Any):
+  """``make(**settings).update(updates, state, params, **kwargs)``, with any
+  Explicit mesh axes made Auto; None where there are none (update directly).
 
   Under Explicit mesh axes every reshape, scan or contraction over the
   batch-sharded axis (in the model's own layers too) would need its output
   sharding named. K-FAC's pass runs with those axes made Auto instead, so XLA
   propagates shardings (and all-reduces the statistics) as under Auto axes;
-  the updates and the state keep their shardings.
+  the updates and the state keep their shardings. Settings given as arrays
+  enter as arguments, so they are made Auto too (closed over, an array typed
+  by Explicit axes could not meet the Auto ones).
   """
-  explicit = _explicit_mesh_axes()
-  if not explicit:
-    return update(updates, state, *args)
+  mesh = _explicit_mesh((updates, state, params, kwargs))
+  if mesh is None:
+    return None
+  explicit = tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+                   if kind == jax.sharding.AxisType.Explicit)
+  arrays = _array_settings(settings)
+
+  def update(updates, state, params, kwargs, arrays):
+    return make(**{**settings, **arrays}).update(updates, state, params, **kwargs)
   out_sharding = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, (updates, state))
-  return jax.sharding.auto_axes(update, axes=explicit, out_sharding=out_sharding)(
-      updates, state, *args)
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.sharding.auto_axes(update, axes=explicit, out_sharding=out_sharding)(
+        updates, state, params, kwargs, arrays)
 
 
 def scale_by_kfac(
@@ -280,22 +305,25 @@ def scale_by_kfac(
     Martens & Grosse, "Optimizing Neural Networks with Kronecker-factored
     Approximate Curvature", ICML 2015.
   """
+  settings = dict(locals())
   checks.positive("damping", damping)
-  curvature = _curvature_of(locals())
+  curvature = _curvature_of(settings)
 
   def update_fn(updates, state, params=None, *, batch=None, rng=None,
                 variables=None, **extra_args):
     del extra_args  # optax.chain forwards every member's keywords
     grads, params = nnx_capture.pure(updates), nnx_capture.pure(params)
     _check_update_args(curvature, grads, batch, params, rng, "scale_by_kfac")
-
-    def precondition(grads, state, params, batch, variables, rng):
+    variables = dict(variables or {})
+    made_auto = _update_with_auto_axes(scale_by_kfac, settings, grads, state, params,
+                                       batch=batch, rng=rng, variables=variables)
+    if made_auto is not None:
+      direction, state = made_auto
+    else:
       state = curvature.update(state, params, batch=batch, rng=rng,
                                variables=variables,
                                damping=_value_at(damping, state.count))
-      return curvature.precondition_and_count(state, grads)
-    direction, state = _with_auto_axes(precondition, grads, state, params, batch,
-                                       dict(variables or {}), rng)
+      direction, state = curvature.precondition_and_count(state, grads)
     return nnx_capture.like(updates, direction), state
 
   return optax.GradientTransformationExtraArgs(curvature.init, update_fn)
@@ -469,6 +497,7 @@ def kfac(
     Second-Order Optimization using Kronecker-Factored Approximations",
     ICLR 2017.
   """
+  settings = dict(locals())
   for name, value in (("momentum", momentum), ("norm_constraint", norm_constraint)):
     if isinstance(value, str) and value != "auto":
       raise ValueError(f'{name} must be a number, None or "auto", got {value!r}')
@@ -504,8 +533,11 @@ def kfac(
     del extra_args
     given, grads, params = grads, nnx_capture.pure(grads), nnx_capture.pure(params)
     _check_update_args(curvature, grads, batch, params, rng, "kfac")
-    delta, state = _with_auto_axes(step, grads, state, params, batch,
-                                   dict(variables or {}), rng)
+    variables = dict(variables or {})
+    made_auto = _update_with_auto_axes(kfac, settings, grads, state, params,
+                                       batch=batch, rng=rng, variables=variables)
+    delta, state = (made_auto if made_auto is not None
+                    else step(grads, state, params, batch, variables, rng))
     return nnx_capture.like(given, delta), state
 
   def step(grads, state, params, batch, variables, rng):

@@ -1,5 +1,7 @@
 """Data parallelism: a batch sharded over a mesh gives the unsharded updates."""
 
+import contextlib
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -90,3 +92,36 @@ def test_user_train_step_under_explicit_mesh():
                      jax.device_put(data, NamedSharding(mesh, P("data"))),
                      jax.random.key(3))
   assert bf.relative_error(actual, jax.tree.map(np.asarray, expected)) < 1e-5
+
+
+
+@pytest.mark.parametrize("context", [False, True], ids=["no-set-mesh", "set-mesh"])
+def test_explicit_arrays_from_the_user_outside_the_arguments(context):
+  """Arrays on an Explicit mesh reach K-FAC's pass with or without
+  `jax.set_mesh`: the batch, a sharded `example_batch`, and the values that
+  `optax.inject_hyperparams` gives the transformation as settings."""
+  model, data, loss, _, _ = cases()["mlp-fisher"]
+  params = model.init(jax.random.key(1), data[0])["params"]
+  grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(2), p.shape), params)
+
+  def run(example_batch, batch, put=lambda tree: tree):
+    tx = optax.inject_hyperparams(
+        kfac_optax.kfac, static_args=("apply_fn", "loss", "num_samples"))(
+        model.apply, loss, example_batch=example_batch, learning_rate=0.1,
+        damping=lambda count: 1e-2 * 0.5 ** count, inverse_update_period=1)
+
+    @jax.jit
+    def two_updates(state, batch):
+      out = []
+      for rng in jax.random.split(jax.random.key(5), 2):
+        updates, state = tx.update(grads, state, params, batch=batch, rng=rng)
+        out.append(updates)
+      return out
+    return two_updates(put(tx.init(params)), batch)
+
+  expected = run(data, data)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  with jax.set_mesh(mesh) if context else contextlib.nullcontext():
+    sharded = jax.device_put(data, NamedSharding(mesh, P("data")))
+    actual = run(sharded, sharded, lambda tree: jax.device_put(tree, NamedSharding(mesh, P())))
+  assert bf.relative_error(actual, jax.tree.map(np.asarray, expected)) < 1e-4
