@@ -118,10 +118,11 @@ def input_gram(layout, x: jax.Array, row_weights: jax.Array,
   windows = layout.windows(padded)  # (N, *outputs, taps, groups, c)
   per_example = int(np.prod(windows.shape[1:-3]))
   patches = _per_group(windows, -1, kernel, width)  # (G, R, p, f)
+  flat_patches = patches.reshape(groups, -1, layout.in_dim)
   example_weights = row_weights.reshape(-1, per_example)[:, 0]
   weighted_first = patches[:, :, 0] * row_weights[:, None].astype(patches.dtype)
-  first_row = jnp.einsum("gri,grj->gij", weighted_first,
-                         patches.reshape(groups, -1, layout.in_dim), precision=_HIGHEST)
+  first_row = jnp.einsum("gri,grj->gij", weighted_first, flat_patches,
+                         precision=_HIGHEST)
 
   blocks, pairs, signs = _corrections(kernel, dilation, num_rows,
                                       _zero_rows(layout, x.shape[-padded.ndim + 1:-1]))
@@ -146,8 +147,8 @@ def input_gram(layout, x: jax.Array, row_weights: jax.Array,
       for p in range(kernel)], 1)
   if not has_bias:
     return gram
-  sums = jnp.einsum("grj,r->gj", patches.reshape(groups, -1, layout.in_dim),
-                    row_weights.astype(patches.dtype), precision=_HIGHEST)
+  sums = jnp.einsum("grj,r->gj", flat_patches, row_weights.astype(patches.dtype),
+                    precision=_HIGHEST)
   count = jnp.broadcast_to(jnp.sum(row_weights).astype(gram.dtype), (groups, 1, 1))
   return jnp.concatenate([jnp.concatenate([gram, sums[:, :, None]], 2),
                           jnp.concatenate([sums[:, None, :], count], 2)], 1)
