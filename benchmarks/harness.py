@@ -803,13 +803,14 @@ def payload_header(name, workload, script, argv=None):
       date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
 
 
-def publish(name, payload, section, script=None, write=True):
+def publish(name, payload, section, script=None, write=True,
+            out_dir=RESULTS_DIR, markdown=RESULTS_MD):
   """Prints ``section``; with ``write``, saves ``payload`` as
-  ``results/<name>.json`` and ``section`` as ``name``'s RESULTS.md section
-  (``script``: see `update_markdown`)."""
+  ``<out_dir>/<name>.json`` and ``section`` as ``name``'s section of
+  ``markdown`` (``script``: see `update_markdown`)."""
   if write:
-    write_json(os.path.join(RESULTS_DIR, f"{name}.json"), payload)
-    update_markdown(RESULTS_MD, name, section, script)
+    write_json(os.path.join(out_dir, f"{name}.json"), payload)
+    update_markdown(markdown, name, section, script)
   print("\n" + section + "\n", flush=True)
 
 

@@ -23,6 +23,8 @@ From the repository root::
   python benchmarks/recipe_sweep.py --workload convnet --configs \\
       "learning_rate=0.03,damping=0.01;learning_rate=0.003,damping=0.001"
   python benchmarks/recipe_sweep.py --quick    # smoke test, writes nothing
+  python benchmarks/recipe_sweep.py --out-dir /tmp/s --markdown /tmp/s.md  # keeps
+      # RESULTS.md's section and JSON as they are
 """
 
 import argparse
@@ -94,6 +96,10 @@ def main(argv=None):
   parser.add_argument("--steps", type=int, help="steps per candidate (default: "
                       "what the time limit allows at the recipe's step, +20%%)")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--out-dir", default=harness.RESULTS_DIR,
+                      help="where the JSON goes (default benchmarks/results)")
+  parser.add_argument("--markdown", default=harness.RESULTS_MD,
+                      help="RESULTS.md to update (default benchmarks/RESULTS.md)")
   parser.add_argument("--quick", action="store_true",
                       help=f"{QUICK_STEPS} steps of the small workload; writes nothing")
   args = parser.parse_args(argv)
@@ -131,7 +137,8 @@ def main(argv=None):
       targets=targets, steps=steps, rows=rows,
       wall_s=time.perf_counter() - started)
   harness.publish(payload["name"], payload, markdown(payload),
-                  "benchmarks/recipe_sweep.py", write=not args.quick)
+                  "benchmarks/recipe_sweep.py", write=not args.quick,
+                  out_dir=args.out_dir, markdown=args.markdown)
   return payload
 
 
