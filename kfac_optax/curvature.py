@@ -124,13 +124,9 @@ def _rebuild(treedef: Any, flat: dict[Path, Any]) -> Any:
 
 
 def _first_element(batch: Any) -> Any:
-  if not isinstance(batch, (tuple, list)):
-    raise TypeError(
-        "the default `inputs` reads batch[0], but the batch is a "
-        f"{type(batch).__name__}; pass inputs=lambda batch: ... to "
-        "scale_by_kfac/kfac (returning apply_fn's positional input, or a "
-        "tuple of them)")
-  return batch[0]
+  return losses.batch_element(
+      batch, 0, "inputs", "scale_by_kfac/kfac (returning apply_fn's "
+      "positional input, or a tuple of them)")
 
 
 _BATCH_FIX = (
@@ -147,15 +143,22 @@ def _is_array(value: Any) -> bool:
   return hasattr(value, "shape") and hasattr(value, "dtype")
 
 
+def _logits_or_first_array(names: list, get: Callable[[Any], Any]) -> Any:
+  """The name the ``outputs=`` hint shows: ``logits`` if it is an array
+  there (Hugging Face's name for a head's outputs), else the first array."""
+  arrays = [name for name in names if _is_array(get(name))]
+  return "logits" if "logits" in arrays or not arrays else arrays[0]
+
+
 def _output_advice(value: Any) -> tuple[str, str]:
   """(its keys or fields, an ``outputs=`` selecting an array) for a
   non-array model output."""
   if dataclasses.is_dataclass(value):  # also Hugging Face's ModelOutput
     names = [field.name for field in dataclasses.fields(value)]
-    name = next((n for n in names if _is_array(getattr(value, n))), "logits")
+    name = _logits_or_first_array(names, lambda n: getattr(value, n))
     return f"fields {names}", f"outputs=lambda out: out.{name}"
   if isinstance(value, dict):
-    key = next((k for k, v in value.items() if _is_array(v)), "logits")
+    key = _logits_or_first_array(list(value), value.get)
     return f"keys {list(value)}", f"outputs=lambda out: out[{key!r}]"
   if isinstance(value, (tuple, list)):
     return f"{len(value)} elements", "outputs=lambda out: out[0]"
@@ -231,6 +234,26 @@ def _series_option(path: Path, override: str | None, time: tuple,
         "'kfac_inputs' and 'kfac_perturbations' at axis 0. Fix: apply the "
         "series option only to such layers, or use 'independent'.")
   return override
+
+
+def _check_not_masked(params: Any) -> None:
+  """Rejects params that optax's masking hid parts of.
+
+  ``optax.masked``, ``optax.multi_transform`` and ``optax.partition`` hand
+  their members the params with every other leaf replaced by
+  ``optax.MaskedNode``; K-FAC re-runs the whole model, which needs them all.
+  """
+  nodes = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+  if any(isinstance(node, optax.MaskedNode) for node in nodes):
+    raise ValueError(
+        "scale_by_kfac/kfac got params with optax.MaskedNode entries: it runs "
+        "inside optax.masked, optax.multi_transform or optax.partition, which "
+        "hide the other params from it, but K-FAC re-runs the whole model.\n"
+        "Fix: give K-FAC all params and leave layers to other transformations "
+        "with layer_overrides={'their/path/*': 'skip'} (their gradients pass "
+        "through unpreconditioned), e.g. optax.chain(scale_by_kfac(..., "
+        "layer_overrides={'head/*': 'skip'}), optax.masked(optax.scale_by_adam(), "
+        "head_mask), optax.scale(-lr)).")
 
 
 def _check_real_floating(flat_params: dict[Path, Any]) -> None:
@@ -562,8 +585,8 @@ class Curvature:
       raise ValueError(
           f"apply_fn runs on {what}, but not under K-FAC's capture of its "
           f"layers: {type(error).__name__}: {error}{fix}") from error
-    # outputs= and the loss's targets (shapes, dtype) checked on this batch
-    jax.eval_shape(lambda out: self.loss.batch_targets(self._model_output(out), batch),
+    # outputs=, the loss's targets (shapes, dtype) and mask checked on this batch
+    jax.eval_shape(lambda out: self.loss.value(self._model_output(out), batch),
                    discovered.outputs)
     return discovered
 
@@ -585,8 +608,8 @@ class Curvature:
       if not layer_params:  # e.g. a submodule's .apply on tied weights
         unowned[path] = layout
         continue
-      if path not in discovered.num_calls:
-        raise capture.not_threaded_error(path)
+      if path not in discovered.num_calls or path not in perturbations:
+        raise capture.not_threaded_error(path)  # one collection or both
       stack, time = _lifted_axes(
           discovered.output_shapes[path], perturbations[path][0].shape,
           layer_params, discovered.param_shapes[path])
@@ -638,6 +661,7 @@ class Curvature:
     """
     factors, inverses = {}, {}
     params = nnx_capture.pure(params)
+    _check_not_masked(params)
     dtype = linalg.curvature_dtype(params)
     plan = self._example_plan(params)
     if plan.unowned:

@@ -24,12 +24,19 @@ Estimation = str
 ESTIMATIONS = ("fisher", "empirical", "exact", "curvature_prop")
 
 
+def batch_element(batch: Batch, index: int, argument: str, where: str) -> Any:
+  """``batch[index]``, the default of ``argument=``; a TypeError naming that
+  argument if the batch is not a tuple or list that long."""
+  if isinstance(batch, (tuple, list)) and len(batch) > index:
+    return batch[index]
+  got = (f"has {len(batch)} element(s)" if isinstance(batch, (tuple, list))
+         else f"is not a tuple or list (its type: {type(batch).__name__})")
+  raise TypeError(f"the default `{argument}` reads batch[{index}], but the "
+                  f"batch {got}; pass {argument}=lambda batch: ... to {where}")
+
+
 def _second_element(batch: Batch) -> jax.Array:
-  if not isinstance(batch, (tuple, list)):
-    raise TypeError(
-        "the loss's default `targets` reads batch[1], but the batch is a "
-        f"{type(batch).__name__}; pass targets=lambda batch: ... to the loss")
-  return batch[1]
+  return batch_element(batch, 1, "targets", "the loss")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +81,23 @@ class PredictiveLoss:
           f"{expected}")
     return targets
 
+  def batch_mask(self, outputs: jax.Array, batch: Batch) -> jax.Array:
+    """``mask(batch)``, checked to have the terms' shape ``outputs.shape[:-1]``.
+
+    Raises:
+      ValueError: if it has another shape (broadcasting would weight the
+        wrong terms, or every term by every mask entry).
+    """
+    mask = self.mask(batch)
+    if jnp.shape(mask) != jnp.shape(outputs)[:-1]:
+      raise ValueError(
+          f"{self.NAME}: mask(batch) has shape {jnp.shape(mask)} for outputs of "
+          f"shape {jnp.shape(outputs)}; it must have the shape of the loss "
+          f"terms, outputs.shape[:-1] = {jnp.shape(outputs)[:-1]} (one entry "
+          "per term: the last axis is the distribution's, so a mask cannot "
+          "select parts of it)")
+    return mask
+
   def nll(self, outputs: jax.Array, targets: jax.Array) -> jax.Array:
     """Per-term negative log-likelihood, shape ``outputs.shape[:-1]``."""
     raise NotImplementedError
@@ -99,14 +123,14 @@ class PredictiveLoss:
     nll = self.nll(outputs, self.batch_targets(outputs, batch))
     if self.mask is None:
       return jnp.mean(nll)
-    mask = self.mask(batch).astype(nll.dtype)
+    mask = self.batch_mask(outputs, batch).astype(nll.dtype)
     return jnp.sum(nll * mask) / jnp.sum(mask)
 
   def terms(self, outputs: jax.Array, batch: Batch) -> "Terms":
     """The loss terms of this batch: how many count, and which."""
     if self.mask is None:
       return Terms(outputs.size // outputs.shape[-1])
-    mask = self.mask(batch).astype(jnp.float32)
+    mask = self.batch_mask(outputs, batch).astype(jnp.float32)
     return Terms(jnp.sum(mask), mask)
 
 
@@ -271,7 +295,7 @@ def output_cotangents(
     ``Σ_c r_c B_c / sqrt(K)`` of those columns (independent signs per term),
     whose expected sum of outer products is ``F_out`` (Martens et al. 2012).
   """
-  mask = 1.0 if loss.mask is None else loss.mask(batch)[..., None]
+  mask = 1.0 if loss.mask is None else loss.batch_mask(outputs, batch)[..., None]
 
   def summed_nll_grad(targets):
     return jax.grad(lambda f: jnp.sum(loss.nll(f, targets)))(outputs)

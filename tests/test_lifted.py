@@ -74,10 +74,12 @@ def test_scanned_layer_stack_gets_one_block_per_layer():
   assert "<diagonal>" not in state.factors
 
 
-def test_scan_without_kfac_collections_names_the_fix():
+@pytest.mark.parametrize("carried", [(), ("kfac_inputs",), ("kfac_perturbations",)],
+                         ids=["neither", "inputs only", "perturbations only"])
+def test_scan_without_kfac_collections_names_the_fix(carried):
   x = jax.random.normal(jax.random.key(0), (6, 2))
   y = jnp.arange(6) % 3
-  model = scanned_net({"params": 0})
+  model = scanned_net({"params": 0, **dict.fromkeys(carried, 0)})
   params = model.init(jax.random.key(1), x)["params"]
   tx = kfac_optax.scale_by_kfac(model.apply, LOSS, example_batch=(x, y))
   with pytest.raises(ValueError, match=r"'stack/dense'.*'kfac_inputs': 0, "

@@ -4,6 +4,7 @@ errors for a model that K-FAC cannot call, each naming its real cause."""
 
 import collections
 import dataclasses
+import re
 
 import flax
 import flax.linen as nn
@@ -107,9 +108,9 @@ def test_exact_product_uses_outputs():
 
 @pytest.mark.parametrize("model, shown, hint", [
     (DictMLP(), "apply_fn returned dict (keys ['hidden', 'logits'])",
-     "outputs=lambda out: out['hidden']"),
+     "outputs=lambda out: out['logits']"),
     (DataclassMLP(), "apply_fn returned Output (fields ['hidden', 'logits'])",
-     "outputs=lambda out: out.hidden"),
+     "outputs=lambda out: out.logits"),
 ])
 def test_non_array_output_without_outputs_names_outputs(model, shown, hint):
   tx = kfac_optax.scale_by_kfac(model.apply, LOSS, example_batch=BATCH)
@@ -251,6 +252,55 @@ def test_targets_that_do_not_fit_are_named_at_init():
   message = init_error(example_batch=one_hot)
   assert message.startswith("softmax_cross_entropy: targets(batch) has shape "
                             "(6, 3) (float32) for outputs of shape (6, 3)")
+
+
+def test_a_batch_without_targets_is_named_at_init():
+  message = init_error(example_batch=(BATCH[0],))
+  assert message.startswith("the default `targets` reads batch[1], but the batch "
+                            "has 1 element(s); pass targets=lambda batch: ... "
+                            "to the loss")
+
+
+def test_a_mask_of_other_shape_than_the_terms_is_named_at_init():
+  per_class = kfac_optax.losses.softmax_cross_entropy(
+      mask=lambda batch: jnp.ones(batch[0].shape[:1] + (3,)))
+  tx = kfac_optax.scale_by_kfac(bf.TinyMLP().apply, per_class, example_batch=BATCH)
+  with pytest.raises(ValueError, match=re.escape(
+      "softmax_cross_entropy: mask(batch) has shape (6, 3) for outputs of shape "
+      "(6, 3); it must have the shape of the loss terms, outputs.shape[:-1] = (6,)")):
+    tx.init(PARAMS)
+
+
+@pytest.mark.parametrize("combinator", [
+    lambda tx, labels: optax.multi_transform({"kfac": tx, "adam": optax.adam(1e-3)},
+                                             labels),
+    lambda tx, labels: optax.masked(tx, jax.tree.map(lambda l: l == "kfac", labels)),
+], ids=["multi_transform", "masked"])
+def test_kfac_inside_optax_masking_is_named(combinator):
+  labels = {name: jax.tree.map(lambda _, n=name: "adam" if n == "out" else "kfac", leaves)
+            for name, leaves in PARAMS.items()}
+  tx = combinator(kfac_optax.scale_by_kfac(bf.TinyMLP().apply, LOSS,
+                                           example_batch=BATCH), labels)
+  with pytest.raises(ValueError, match="got params with optax.MaskedNode entries"):
+    tx.init(PARAMS)
+
+
+def test_the_masking_advice_trains_the_skipped_layer_with_adam():
+  """The error's fix: K-FAC sees all params, skips the head, Adam scales it."""
+  head = {name: jax.tree.map(lambda _, n=name: n == "out", leaves)
+          for name, leaves in PARAMS.items()}
+  tx = optax.chain(
+      kfac_optax.scale_by_kfac(bf.TinyMLP().apply, LOSS, example_batch=BATCH,
+                               layer_overrides={"out": "skip"}),
+      optax.masked(optax.scale_by_adam(), head))
+  grads = jax.grad(lambda p: LOSS.value(bf.TinyMLP().apply({"params": p}, BATCH[0]),
+                                        BATCH))(PARAMS)
+  updates, _ = tx.update(grads, tx.init(PARAMS), PARAMS, batch=BATCH,
+                         rng=jax.random.key(0))
+  adam, _ = optax.scale_by_adam().update(grads["out"], optax.scale_by_adam().init(
+      PARAMS["out"]))
+  np.testing.assert_allclose(updates["out"]["kernel"], adam["kernel"], rtol=1e-6)
+  assert not np.allclose(updates["hidden"]["kernel"], grads["hidden"]["kernel"])
 
 
 def test_a_loss_function_is_not_a_predictive_distribution():
