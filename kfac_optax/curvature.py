@@ -586,8 +586,8 @@ class Curvature:
           f"apply_fn runs on {what}, but not under K-FAC's capture of its "
           f"layers: {type(error).__name__}: {error}{fix}") from error
     # outputs=, the loss's targets (shapes, dtype) and mask checked on this batch
-    jax.eval_shape(lambda out: self.loss.value(self._model_output(out), batch),
-                   discovered.outputs)
+    jax.eval_shape(lambda out, b: self.loss.value(self._model_output(out), b),
+                   discovered.outputs, batch)  # batch: arrays or shape structs
     return discovered
 
   def _plan(self, params, batch, variables, mutable, what) -> _Plan:
