@@ -669,9 +669,10 @@ def _curvatures_in(node: Any, seen: set[int]) -> list[Curvature]:
   """The `Curvature`s that ``node`` holds or its functions close over.
 
   Walks tuples (optax transformations), lists, dicts, functools.partial,
-  bound methods and closure cells: how `scale_by_kfac` (``init`` is
-  `Curvature.init`), `kfac` (closures) and optax's combinators (``chain``,
-  ``multi_transform``: closures over their members) hold it.
+  bound methods, closure cells and the attributes of optax's objects: how
+  `scale_by_kfac` (``init`` is `Curvature.init`), `kfac` (closures) and
+  optax's combinators (``chain``: closures over its members;
+  ``MultiSteps``: an object holding its inner transformation) hold it.
   """
   if isinstance(node, Curvature):
     return [node]
@@ -686,6 +687,8 @@ def _curvatures_in(node: Any, seen: set[int]) -> list[Curvature]:
     children = [node.func, *node.args, *node.keywords.values()]
   elif isinstance(node, types.MethodType):
     children = [node.__self__, node.__func__]
+  elif type(node).__module__.startswith("optax."):  # e.g. optax.MultiSteps
+    children = list(vars(node).values()) if hasattr(node, "__dict__") else []
   elif isinstance(node, types.FunctionType):
     children = []
     for cell in node.__closure__ or ():
@@ -714,7 +717,8 @@ def describe(optimizer: Any, params: Any) -> summary.Summary:
   Args:
     optimizer: the transformation returned by `kfac` or `scale_by_kfac`,
       alone or inside ``optax.chain`` (or another combinator that closes
-      over its members), or a `Curvature`.
+      over its members), ``optax.MultiSteps`` (or its
+      ``gradient_transformation()``), or a `Curvature`.
     params: the model's params (arrays or ``jax.ShapeDtypeStruct``).
 
   Returns:

@@ -73,7 +73,12 @@ def test_table_lists_every_module_its_block_and_shares():
         Mixed().apply, LOSS, **SETTINGS), optax.sgd(0.1)),
     lambda: kfac_optax.kfac(Mixed().apply, LOSS, learning_rate=0.1, **SETTINGS),
     lambda: kfac_optax.Curvature(Mixed().apply, LOSS, **SETTINGS),
-], ids=["chain", "kfac", "curvature"])
+    lambda: optax.MultiSteps(kfac_optax.kfac(
+        Mixed().apply, LOSS, learning_rate=0.1, **SETTINGS), every_k_schedule=2),
+    lambda: optax.MultiSteps(kfac_optax.kfac(
+        Mixed().apply, LOSS, learning_rate=0.1, **SETTINGS),
+                             every_k_schedule=2).gradient_transformation(),
+], ids=["chain", "kfac", "curvature", "multi_steps", "multi_steps_transformation"])
 def test_describe_finds_the_curvature(build):
   assert str(kfac_optax.describe(build(), PARAMS)) == TABLE
 
