@@ -106,31 +106,34 @@ def _array_settings(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def _update_with_auto_axes(make: Callable[..., Any], settings: dict[str, Any],
-                           updates: Any, state: Any, params: Any, **kwargs: Any):
-  """``make(**settings).update(updates, state, params, **kwargs)``, with any
-  Explicit mesh axes made Auto; None where there are none (update directly).
+                           direct: Callable[..., Any], grads: Any, state: Any,
+                           params: Any, batch: Any, variables: dict, rng: Any):
+  """``direct(grads, state, params, batch, variables, rng)``, K-FAC's update,
+  with any Explicit mesh axes made Auto.
 
   Under Explicit mesh axes every reshape, scan or contraction over the
   batch-sharded axis (in the model's own layers too) would need its output
   sharding named. K-FAC's pass runs with those axes made Auto instead, so XLA
   propagates shardings (and all-reduces the statistics) as under Auto axes;
-  the updates and the state keep their shardings. Settings given as arrays
-  enter as arguments, so they are made Auto too (closed over, an array typed
-  by Explicit axes could not meet the Auto ones).
+  the updates and the state keep their shardings. There the transformation
+  is rebuilt, ``make(**settings)``, with the settings given as arrays as
+  arguments, so they are made Auto too (closed over, an array typed by
+  Explicit axes could not meet the Auto ones); inside, no axis is Explicit
+  and its update runs ``direct``.
   """
-  mesh = _explicit_mesh((updates, state, params, kwargs))
+  mesh = _explicit_mesh((grads, state, params, batch, variables, rng))
   if mesh is None:
-    return None
+    return direct(grads, state, params, batch, variables, rng)
   explicit = tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
                    if kind == jax.sharding.AxisType.Explicit)
-  arrays = _array_settings(settings)
 
-  def update(updates, state, params, kwargs, arrays):
-    return make(**{**settings, **arrays}).update(updates, state, params, **kwargs)
-  out_sharding = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, (updates, state))
+  def update(grads, state, params, batch, variables, rng, arrays):
+    return make(**{**settings, **arrays}).update(
+        grads, state, params, batch=batch, variables=variables, rng=rng)
+  out_sharding = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, (grads, state))
   with jax.sharding.use_abstract_mesh(mesh):
     return jax.sharding.auto_axes(update, axes=explicit, out_sharding=out_sharding)(
-        updates, state, params, kwargs, arrays)
+        grads, state, params, batch, variables, rng, _array_settings(settings))
 
 
 def scale_by_kfac(
@@ -314,17 +317,16 @@ def scale_by_kfac(
     del extra_args  # optax.chain forwards every member's keywords
     grads, params = nnx_capture.pure(updates), nnx_capture.pure(params)
     _check_update_args(curvature, grads, batch, params, rng, "scale_by_kfac")
-    variables = dict(variables or {})
-    made_auto = _update_with_auto_axes(scale_by_kfac, settings, grads, state, params,
-                                       batch=batch, rng=rng, variables=variables)
-    if made_auto is not None:
-      direction, state = made_auto
-    else:
-      state = curvature.update(state, params, batch=batch, rng=rng,
-                               variables=variables,
-                               damping=_value_at(damping, state.count))
-      direction, state = curvature.precondition_and_count(state, grads)
+    direction, state = _update_with_auto_axes(
+        scale_by_kfac, settings, precondition, grads, state, params, batch,
+        dict(variables or {}), rng)
     return nnx_capture.like(updates, direction), state
+
+  def precondition(grads, state, params, batch, variables, rng):
+    state = curvature.update(state, params, batch=batch, rng=rng,
+                             variables=variables,
+                             damping=_value_at(damping, state.count))
+    return curvature.precondition_and_count(state, grads)
 
   return optax.GradientTransformationExtraArgs(curvature.init, update_fn)
 
@@ -533,11 +535,8 @@ def kfac(
     del extra_args
     given, grads, params = grads, nnx_capture.pure(grads), nnx_capture.pure(params)
     _check_update_args(curvature, grads, batch, params, rng, "kfac")
-    variables = dict(variables or {})
-    made_auto = _update_with_auto_axes(kfac, settings, grads, state, params,
-                                       batch=batch, rng=rng, variables=variables)
-    delta, state = (made_auto if made_auto is not None
-                    else step(grads, state, params, batch, variables, rng))
+    delta, state = _update_with_auto_axes(kfac, settings, step, grads, state, params,
+                                          batch, dict(variables or {}), rng)
     return nnx_capture.like(given, delta), state
 
   def step(grads, state, params, batch, variables, rng):
