@@ -22,6 +22,7 @@ from kfac_optax import conv_gram
 from kfac_optax import layouts
 from kfac_optax import linalg
 from kfac_optax import losses
+from kfac_optax import low_rank
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 # Rows of im2col patches that one chunk of a convolution's statistics may
@@ -226,9 +227,9 @@ class KroneckerBlock:
     if self.diagonal_input:  # diag(a) @ V scales V's rows
       stacked = inverses.a[:, :, None] * stacked
     else:
-      stacked = inverses.a @ stacked
+      stacked = low_rank.left_multiply(inverses.a, stacked)
     return self._gradient_leaves(stacked * inverses.g[:, None, :] if self.diagonal_output
-                                 else stacked @ inverses.g)
+                                 else low_rank.right_multiply(stacked, inverses.g))
 
   def _gradient_matrix(self, grads: dict, dtype) -> jax.Array:
     """``V = [∇W; ∇b]``, ``(S, in_dim [+ 1], out_dim)``."""
@@ -522,7 +523,8 @@ class EmbeddingBlock:
 
   def precondition(self, inverses, grads) -> dict:
     v = grads["embedding"].astype(inverses.g.dtype)
-    return {"embedding": inverses.a[0][:, None] * v @ inverses.g[0]}
+    return {"embedding": low_rank.right_multiply(
+        inverses.a[0][:, None] * v, jax.tree.map(lambda x: x[0], inverses.g))}
 
 
 def _mask_like(terms: losses.Terms, shape: tuple) -> jax.Array:

@@ -423,6 +423,7 @@ class Curvature:
   outputs: Callable[[Any], Any] | None = None
   max_factor_dim: int | str | None = "auto"
   curvature_batch_size: int | None = None
+  factor_rank: int | None = None
 
   def __post_init__(self):
     # An nnx.Module runs through its own front-end (see `nnx_capture`).
@@ -443,7 +444,8 @@ class Curvature:
     checks.count("inverse_update_period", self.inverse_update_period, 1)
     checks.count("stats_update_period", self.stats_update_period, 1)
     for name, valid in (("num_samples", "a positive Python int"),
-                        ("curvature_batch_size", "a positive Python int or None")):
+                        ("curvature_batch_size", "a positive Python int or None"),
+                        ("factor_rank", "a positive Python int or None")):
       value = getattr(self, name)
       if not (_is_positive_int(value) or (value is None and "None" in valid)):
         raise ValueError(f"{name} must be {valid}, got {value!r}; with "
@@ -620,8 +622,7 @@ class Curvature:
       block = blocks.block_for(
           layout, layer_params, stack, other_methods,
           structure=override if override in blocks.KRONECKER_STRUCTURES else None,
-          max_factor_dim=(DEFAULT_MAX_FACTOR_DIM if self.max_factor_dim == "auto"
-                          else self.max_factor_dim),
+          max_factor_dim=self._max_factor_dim(),
           series=_series_option(path, override, time, layout), time_axes=time)
       layers[_key(path)] = (path, block)
       owned.update(path + (name,) for name in block.param_names)
@@ -638,6 +639,13 @@ class Curvature:
     # mutable=True lets flax create collections such as batch_stats that the
     # example batch needs and the caller does not have.
     return self._plan(params, self.example_batch, {}, True, "example_batch")
+
+  def _max_factor_dim(self) -> int | None:
+    """The bound ``"auto"`` stands for: the inverse's O(d³) cost, which
+    ``factor_rank`` avoids."""
+    if self.max_factor_dim != "auto":
+      return self.max_factor_dim
+    return None if self.factor_rank is not None else DEFAULT_MAX_FACTOR_DIM
 
   # -- state ----------------------------------------------------------------
 
@@ -671,6 +679,9 @@ class Curvature:
     for key, block in plan.all_blocks().items():
       factors[key], inverses[key] = jax.tree.map(lambda x: x.astype(dtype),
                                                  block.init())
+      inverses[key] = linalg.low_rank_identities(
+          jax.eval_shape(block.damped, factors[key], jnp.ones([], dtype)),
+          inverses[key], self.factor_rank)
     # Distinct buffers: a state passed with donate_argnums must not alias.
     counters = [jnp.zeros([], jnp.int32) for _ in range(5)]
     return ScaleByKFACState(*counters[:2], factors, inverses,
@@ -748,13 +759,16 @@ class Curvature:
             jnp.where(finite, new_count, stats_count),
             rejected + jnp.where(finite, 0, 1))
 
-  def _powers(self, plan, factors, damping, power, method, previous=None):
+  def _powers(self, plan, factors, damping, power, method, previous=None,
+              rank=None):
     """Every block's damped factors raised to ``power`` (batched over blocks;
-    ``previous``: the inverses in use, where a method starts from them)."""
+    ``previous``: the inverses in use, where a method starts from them;
+    ``rank``: see `linalg.invert_all`)."""
     return linalg.invert_all(
         {key: block.damped(factors[key], damping)
          for key, block in plan.all_blocks().items()},
-        method, sharding.stack_sharding(self.mesh), power=power, previous=previous)
+        method, sharding.stack_sharding(self.mesh), power=power, previous=previous,
+        rank=rank)
 
   def _refresh_inverses(self, plan, factors, old, damping):
     """New inverses, or all the old ones if the damping or any block failed.
@@ -764,7 +778,8 @@ class Curvature:
     rejected even where its inverse happens to be finite.
     """
     inverses, old_damping, rejected = old
-    fresh = self._powers(plan, factors, damping, -1, self.inverse, inverses)
+    fresh = self._powers(plan, factors, damping, -1, self.inverse, inverses,
+                         self.factor_rank)
     ok = (damping > 0) & jnp.isfinite(damping) & _all_finite(fresh)
     keep = lambda n, o: jnp.where(ok, n, o).astype(o.dtype)
     return (jax.tree.map(keep, fresh, inverses), keep(damping, old_damping),

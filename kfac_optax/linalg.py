@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfac_optax import cholesky
+from kfac_optax import low_rank
 
 INVERSE_METHODS = ("auto", "eigh", "cholesky", "newton_schulz")
 NEWTON_SCHULZ_MAX_ITERATIONS = 40
@@ -331,7 +332,7 @@ def bucket_sizes(sizes: Iterable[int], max_padding: float = 1.25) -> dict[int, i
 
 def invert_all(tree: Any, method: str, stack_sharding: Any = None,
                max_padding: float = 1.25, power: float = -1,
-               previous: Any = None) -> Any:
+               previous: Any = None, rank: int | None = None) -> Any:
   """Replaces every `Damped` leaf of ``tree`` by its damped inverse, batched.
 
   (Or, with ``power``, by any power of it; `DampedDiagonal` leaves likewise,
@@ -355,24 +356,32 @@ def invert_all(tree: Any, method: str, stack_sharding: Any = None,
     power: the exponent (see `damped_power`).
     previous: None, or a tree with the structure of the result (the
       inverses in use): ``method="newton_schulz"`` starts each inverse from
-      its previous one (see `newton_schulz_inverse`); other methods ignore it.
+      its previous one (see `newton_schulz_inverse`), and so does every
+      low-rank inverse; other methods ignore it.
+    rank: None, or a `Damped` leaf of more than ``rank`` rows gets a
+      `low_rank.LowRankInverse` of that rank (``power=-1`` only), stacked by
+      exact size.
 
   `DampedLag` leaves (the series blocks of recurrent layers) are replaced by
   their decomposition (`Whitened` or `Transition`), stacked by exact size
   and distributed the same way; they support ``power=-1`` only.
 
   Returns:
-    ``tree`` with each `Damped` leaf replaced by an array of its matrix's shape.
+    ``tree`` with each `Damped` leaf replaced by an array of its matrix's
+    shape (or a `low_rank.LowRankInverse`).
   """
+  if rank is not None and power != -1:
+    raise ValueError(f"rank={rank} applies to inverses (power=-1), got power={power}")
   method = resolve_inverse(method)
-  is_damped = lambda x: isinstance(x, (Damped, DampedDiagonal, DampedLag))
-  leaves, treedef = jax.tree.flatten(tree, is_leaf=is_damped)
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_damped)
   results = [_diagonal_power(leaf, power) if isinstance(leaf, DampedDiagonal)
              else leaf for leaf in leaves]
   _decompose_lags(leaves, results, stack_sharding, power)
-  requests = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, Damped)}
+  starts = treedef.flatten_up_to(previous) if previous is not None else None
+  _low_rank_inverses(leaves, results, starts, rank, stack_sharding)
+  requests = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, Damped)
+              and not _kept_at_rank(leaf.matrix.shape, rank)}
   warm = method == "newton_schulz" and power == -1 and previous is not None
-  starts = treedef.flatten_up_to(previous) if warm else None
   buckets = bucket_sizes(leaf.matrix.shape[-1] for leaf in requests.values())
   for bucket in sorted(set(buckets.values())):
     members = [i for i, leaf in requests.items()
@@ -404,6 +413,48 @@ def invert_all(tree: Any, method: str, stack_sharding: Any = None,
       results[i] = inverted[offset:offset + num, :size, :size].reshape(shape)
       offset += num
   return treedef.unflatten(results)
+
+
+def _is_damped(x: Any) -> bool:
+  return isinstance(x, (Damped, DampedDiagonal, DampedLag))
+
+
+def _kept_at_rank(shape: tuple, rank: int | None) -> bool:
+  """Whether a factor of ``shape`` ``(..., d, d)`` gets a low-rank inverse
+  at ``rank`` (None: none does)."""
+  return rank is not None and shape[-1] > rank
+
+
+def low_rank_identities(tree: Any, inverses: Any, rank: int | None) -> Any:
+  """The identity ``inverses`` of ``tree``'s leaves (dense, in `invert_all`'s
+  result structure), those that `invert_all` keeps at ``rank`` as
+  `low_rank.identity`, so that the state's structure never changes."""
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_damped)
+  current = treedef.flatten_up_to(inverses)
+  return treedef.unflatten([
+      low_rank.identity(inverse.shape, rank, inverse.dtype)
+      if isinstance(leaf, Damped) and _kept_at_rank(leaf.matrix.shape, rank)
+      else inverse for leaf, inverse in zip(leaves, current)])
+
+
+def _low_rank_inverses(leaves: list, results: list, starts: list | None,
+                       rank: int | None, stack_sharding: Any) -> None:
+  """Puts the `low_rank.LowRankInverse` of every `Damped` leaf kept at
+  ``rank`` into ``results``, stacked by exact size and distributed like the
+  others; each starts from its basis in ``starts`` (the inverses in use)."""
+  groups: dict[int, list[int]] = {}
+  for i, leaf in enumerate(leaves):
+    if isinstance(leaf, Damped) and _kept_at_rank(leaf.matrix.shape, rank):
+      groups.setdefault(leaf.matrix.shape[-1], []).append(i)
+  for members in groups.values():
+    def basis(i):
+      if starts is not None and isinstance(starts[i], low_rank.LowRankInverse):
+        return starts[i].basis
+      return jnp.zeros((*leaves[i].matrix.shape[:-1], rank))
+    stacks = (_stacked(leaves, members, lambda i: leaves[i].matrix),
+              _damping_stack(leaves, members), _stacked(leaves, members, basis))
+    _unstack(results, leaves, members,
+             _distributed(low_rank.damped_inverse, stacks, stack_sharding))
 
 
 def _padded(matrices: jax.Array, size: int, fill: jax.Array) -> jax.Array:
@@ -493,22 +544,41 @@ def _decompose_lags(leaves: list, results: list, stack_sharding: Any,
   groups: dict[tuple, list[int]] = {}
   for i, leaf in requests.items():
     groups.setdefault((leaf.option, leaf.matrix.shape[-1]), []).append(i)
-  for (option, size), members in groups.items():
-    dtype = at_least_float32(requests[members[0]].matrix).dtype
-    stack = lambda field: jnp.concatenate(
-        [jnp.reshape(field(requests[i]), (-1, size, size)) for i in members]).astype(dtype)
-    damping = jnp.concatenate([jnp.broadcast_to(
-        requests[i].damping, requests[i].matrix.shape[:-2]).reshape(-1)
-                               for i in members]).astype(dtype)
-    stacks = (stack(lambda r: r.matrix), stack(lambda r: r.lag), damping)
-    decomposed = _distributed(SERIES_DECOMPOSITIONS[option], stacks, stack_sharding)
-    offset = 0
-    for i in members:
-      lead = requests[i].matrix.shape[:-2]
-      num = math.prod(lead)
-      results[i] = jax.tree.map(lambda x: x[offset:offset + num].reshape(*lead, *x.shape[1:]),
-                                decomposed)
-      offset += num
+  for (option, _), members in groups.items():
+    stack = lambda field: _stacked(leaves, members, lambda i: field(leaves[i]))
+    decomposed = _distributed(
+        SERIES_DECOMPOSITIONS[option],
+        (stack(lambda r: r.matrix), stack(lambda r: r.lag), _damping_stack(leaves, members)),
+        stack_sharding)
+    _unstack(results, leaves, members, decomposed)
+
+
+def _stacked(leaves: list, members: list[int], part: Callable[[int], jax.Array]) -> jax.Array:
+  """``part(i)`` ``(..., *tail)`` of every member ``i`` as one ``(n, *tail)``
+  stack in its matrix's dtype (at least float32), where ``...`` are the
+  leading axes of ``leaves[i].matrix``."""
+  dtype = at_least_float32(leaves[members[0]].matrix).dtype
+  parts = [(part(i), leaves[i].matrix.ndim - 2) for i in members]
+  return jnp.concatenate([jnp.reshape(x, (-1, *jnp.shape(x)[lead:]))
+                          for x, lead in parts]).astype(dtype)
+
+
+def _damping_stack(leaves: list, members: list[int]) -> jax.Array:
+  """Every member's damping, one per matrix of its stack: ``(n,)``."""
+  return _stacked(leaves, members, lambda i: jnp.broadcast_to(
+      leaves[i].damping, leaves[i].matrix.shape[:-2]))
+
+
+def _unstack(results: list, leaves: list, members: list[int], stacked: Any) -> None:
+  """Puts each member's share of ``stacked`` (a tree of ``(n, ...)`` stacks)
+  into ``results``, with its matrix's leading axes back."""
+  offset = 0
+  for i in members:
+    lead = leaves[i].matrix.shape[:-2]
+    num = math.prod(lead)
+    results[i] = jax.tree.map(
+        lambda x: x[offset:offset + num].reshape(*lead, *x.shape[1:]), stacked)
+    offset += num
 
 
 def _distributed(each: Callable[..., Any], stacks: tuple, stack_sharding: Any) -> Any:

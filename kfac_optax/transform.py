@@ -156,6 +156,7 @@ def scale_by_kfac(
     mesh: jax.sharding.Mesh | None = None,
     max_factor_dim: int | str | None = "auto",
     curvature_batch_size: int | None = None,
+    factor_rank: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Preconditions gradients with K-FAC's damped Kronecker-factored Fisher.
 
@@ -260,8 +261,9 @@ def scale_by_kfac(
       `blocks.KroneckerBlock`): a positive Python int, None (no bound) or
       ``"auto"``: 4096, from timing one float32 eigh on 2 CPU cores (0.53 s
       at 2048, 3.6 s at 4096, 12 s at 6144, 28 s at 8192; cholesky 4 to 5
-      times faster; `benchmarks/factor_inverse.py`). Embeddings keep their full
-      output factor. ``layer_overrides`` choices ``"kron*"`` take precedence.
+      times faster; `benchmarks/factor_inverse.py`), and no bound with
+      ``factor_rank``. Embeddings keep their full output factor.
+      ``layer_overrides`` choices ``"kron*"`` take precedence.
     curvature_batch_size: statistics from the first n examples of the batch
       (every leaf of the batch sliced on its leading axis; the capture's
       forward and sampled backward pass run on them only): a positive
@@ -270,6 +272,16 @@ def scale_by_kfac(
       (2015) estimate the statistics on a subset of the mini-batch; the
       step costs less, the factors are noisier (the EMA averages over
       steps). See benchmarks/RESULTS.md, "Statistics from a sub-batch".
+    factor_rank: a positive Python int k, or None (every inverse exact). A
+      full factor M of more than k rows is inverted at rank k: with μ its
+      top k eigenvalues (eigenvectors U) and ρ the mean of the others,
+      ``(M + δI)⁻¹ ≈ U diag(1/(μ+δ) - 1/(ρ+δ)) Uᵀ + I/(ρ+δ)``
+      (`kfac_optax.low_rank`; the eigenpairs by subspace iteration from the
+      previous refresh's). Preconditioning a d-row factor then costs
+      O(d·k) per column instead of O(d²), the refresh O(d²·k) instead of
+      O(d³): for wide layers (image inputs, conv patches) whose factors'
+      spectra decay fast. `Curvature.multiply` stays exact. See
+      benchmarks/RESULTS.md, "Low-rank factor inverses".
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` takes
@@ -401,6 +413,7 @@ def kfac(
     mesh: jax.sharding.Mesh | None = None,
     max_factor_dim: int | str | None = "auto",
     curvature_batch_size: int | None = None,
+    factor_rank: int | None = None,
     norm_constraint: float | str | None = "auto",
     adaptive_damping: bool | None = None,
     damping_adaptation_interval: int = 5,
@@ -461,7 +474,7 @@ def kfac(
     inputs, outputs, damping, ema_decay, inverse_update_period,
     stats_update_period, estimation, inverse, num_samples, apply_kwargs,
     layer_overrides, tied_embeddings, mesh, max_factor_dim,
-    curvature_batch_size:
+    curvature_batch_size, factor_rank:
       see `scale_by_kfac`. With ``adaptive_damping``, ``damping`` is the
       initial λ. ``curvature_batch_size`` applies to the factors only: the
       quadratic model's exact Fisher products, and the losses that
@@ -488,7 +501,7 @@ def kfac(
     ``batch=`` (and ``rng=`` for random estimation modes). Arguments are
     spelled out so that ``optax.inject_hyperparams(kfac, static_args=
     ("apply_fn", "num_samples"))`` can inject the numeric ones (list
-    ``curvature_batch_size`` there too when it is given).
+    ``curvature_batch_size`` and ``factor_rank`` there too when given).
 
   Raises:
     ValueError: for a setting outside its range (a schedule: at count 0).

@@ -1,0 +1,130 @@
+"""Damped factor inverses kept at low rank (the ``factor_rank`` option).
+
+A Kronecker factor ``M`` (d×d, PSD) is approximated by its top k
+eigenpairs and the mean ρ of its other d - k eigenvalues,
+``M ≈ U diag(μ) Uᵀ + ρ (I - U Uᵀ)`` (same trace as ``M``), whose damped
+inverse is exactly
+
+    (M + δI)⁻¹ ≈ U diag(1/(μ + δ) - 1/(ρ + δ)) Uᵀ + I / (ρ + δ).
+
+Stored as ``U`` (d×k) and two small vectors, it multiplies a d×m matrix in
+O(d k m) instead of O(d² m), and the refresh costs O(d² k) instead of
+O(d³). Martens & Grosse's factors of wide layers (image pixels, im2col
+patches) have fast-decaying spectra, where little is lost (measured in
+benchmarks/RESULTS.md, "Low-rank factor inverses"). The eigenpairs come from
+subspace iteration (Halko, Martinsson & Tropp 2011, Algorithm 4.4) started
+from the previous refresh's basis, as in randomized K-FAC (Puiu 2022):
+factors change little between refreshes.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+# Columns added to the k of the basis while iterating (Halko et al.'s
+# oversampling): they let directions that move into the top k be found.
+OVERSAMPLE = 8
+# Products with M per refresh (each followed by a QR).
+ITERATIONS = 2
+
+
+class LowRankInverse(NamedTuple):
+  """``floor·I + basis diag(weights) basisᵀ``, the damped inverse of a factor
+  kept at rank k (leading stack axes ``...`` on every field).
+
+  Attributes:
+    basis: ``(..., d, k)``, orthonormal columns: the factor's top-k
+      eigenvectors (their estimates).
+    weights: ``(..., k)``, ``1/(μ + δ) - floor`` for their eigenvalues μ.
+    floor: ``(...)``, ``1/(ρ + δ)``: the inverse on the other directions.
+  """
+  basis: jax.Array
+  weights: jax.Array
+  floor: jax.Array
+
+  @property
+  def dtype(self):
+    return self.floor.dtype
+
+
+def identity(shape: tuple, rank: int, dtype) -> LowRankInverse:
+  """The identity of ``shape`` ``(..., d, d)`` as a rank-``rank``
+  `LowRankInverse` (the inverses in use before the first refresh)."""
+  lead, size = shape[:-2], shape[-1]
+  return LowRankInverse(jnp.zeros((*lead, size, rank), dtype),
+                        jnp.zeros((*lead, rank), dtype), jnp.ones(lead, dtype))
+
+
+def damped_inverse(matrix: jax.Array, damping: jax.Array,
+                   previous_basis: jax.Array) -> LowRankInverse:
+  """`LowRankInverse` of ``(matrix + damping·I)``, one ``(d, d)`` matrix.
+
+  Args:
+    matrix: symmetric PSD.
+    damping: positive scalar.
+    previous_basis: ``(d, k)``, the basis in use (zeros before the first
+      refresh: the iteration then starts from the k columns of ``matrix``
+      with the largest diagonal, as good a guess as any without a basis).
+      k sets the rank; ``k < d``.
+  """
+  size, rank = previous_basis.shape
+  extra = min(OVERSAMPLE, size - rank)
+  # The largest-diagonal columns lie in the factor's range, near its top.
+  columns = matrix[:, jnp.argsort(-jnp.diagonal(matrix))[:rank + extra]]
+  start = jnp.where(jnp.any(previous_basis != 0), previous_basis, columns[:, :rank])
+  basis = jnp.concatenate([start, columns[:, rank:]], axis=1)
+  for _ in range(ITERATIONS):
+    basis = orthonormal_columns(matrix @ basis)
+  # Rayleigh-Ritz: the best eigenpairs within the iterated subspace.
+  ritz_values, ritz_vectors = jnp.linalg.eigh(basis.T @ matrix @ basis)
+  top = jnp.maximum(ritz_values[-rank:], 0.0)
+  rest = jnp.maximum(jnp.trace(matrix) - jnp.sum(top), 0.0) / (size - rank)
+  floor = 1.0 / (rest + damping)
+  return LowRankInverse(basis @ ritz_vectors[:, -rank:],
+                        1.0 / (top + damping) - floor, floor)
+
+
+def orthonormal_columns(y: jax.Array) -> jax.Array:
+  """Orthonormal columns spanning those of ``y`` (d×n), and zero columns for
+  its rank deficit (a factor of rank < n: few examples so far).
+
+  Classical Gram-Schmidt with reorthogonalisation (each column projected
+  off the earlier ones twice, which keeps them orthogonal to round-off:
+  Giraud et al. 2005), one column per loop step. Not jax's QR: on CPU it
+  is an OpenBLAS call whose threads then spin for ~0.1 s on the cores of
+  the next training steps (see `cholesky`); nor an eigh of the Gram ``yᵀy``,
+  which squares the columns' condition number (that of ``M`` on the
+  subspace): in float32 it lost the weaker directions of image factors.
+  A column whose remainder is below ``n·ε`` of its norm is dependent: zero.
+  """
+  threshold = y.shape[1] * jnp.finfo(y.dtype).eps
+
+  def column(j, q):
+    original = y[:, j]
+    v = original
+    for _ in range(2):  # q's columns from j on are still zero
+      v = v - q @ (q.T @ v)
+    norm = jnp.linalg.norm(v)
+    independent = norm > threshold * jnp.linalg.norm(original)
+    return q.at[:, j].set(jnp.where(independent, v / jnp.where(independent, norm, 1.0), 0.0))
+  return jax.lax.fori_loop(0, y.shape[1], column, jnp.zeros_like(y))
+
+
+def left_multiply(inverse, matrix: jax.Array) -> jax.Array:
+  """``inverse @ matrix`` over leading stack axes; ``inverse`` a dense stack
+  or a `LowRankInverse`."""
+  if not isinstance(inverse, LowRankInverse):
+    return inverse @ matrix
+  projected = jnp.swapaxes(inverse.basis, -1, -2) @ matrix
+  return (inverse.floor[..., None, None] * matrix
+          + inverse.basis @ (inverse.weights[..., None] * projected))
+
+
+def right_multiply(matrix: jax.Array, inverse) -> jax.Array:
+  """``matrix @ inverse`` over leading stack axes (the inverse is symmetric)."""
+  if not isinstance(inverse, LowRankInverse):
+    return matrix @ inverse
+  projected = (matrix @ inverse.basis) * inverse.weights[..., None, :]
+  return (inverse.floor[..., None, None] * matrix
+          + projected @ jnp.swapaxes(inverse.basis, -1, -2))
