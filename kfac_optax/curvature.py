@@ -659,7 +659,7 @@ class Curvature:
     return summary.summarize(
         plan.layers, plan.fallback_paths,
         {path: jnp.shape(leaf) for path, leaf in flat_params.items()},
-        self._override_for)
+        self._override_for, self.factor_rank)
 
   def init(self, params: Any) -> ScaleByKFACState:
     """Zero statistics and identity inverses for every block of the model.

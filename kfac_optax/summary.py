@@ -45,10 +45,13 @@ class Factor(NamedTuple):
       block the params leaf's name.
     size: the factor's dimension.
     diagonal: whether only its diagonal is kept.
+    rank: the rank of its inverse where it is kept at ``factor_rank``
+      (`kfac_optax.low_rank`), else None.
   """
   name: str
   size: int
   diagonal: bool
+  rank: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,11 +73,14 @@ class Row:
   num_params: int
 
   def factor_text(self) -> str:
-    """E.g. ``"A 785×785 · G 10×10"``, ``"A diag 4609 · G 512×512"``."""
+    """E.g. ``"A 785×785 · G 10×10"``, ``"A diag 4609 · G 512×512"``,
+    ``"A 785×785 rank 32 · G 10×10"``."""
     if not self.factors:
       return "-"
-    text = " · ".join(f"{f.name} diag {f.size}" if f.diagonal else
-                      f"{f.name} {f.size}×{f.size}" for f in self.factors)
+    text = " · ".join(
+        f"{f.name} diag {f.size}" if f.diagonal else
+        f"{f.name} {f.size}×{f.size}" + (f" rank {f.rank}" if f.rank else "")
+        for f in self.factors)
     return text if self.stacks == 1 else f"{self.stacks} × ({text})"
 
 
@@ -155,7 +161,8 @@ def _kind_and_factors(block: Any) -> tuple[str, tuple[Factor, ...], int]:
 def summarize(layers: dict[str, tuple[tuple[str, ...], Any]],
               fallback_paths: dict[str, tuple[str, ...]],
               param_shapes: dict[tuple[str, ...], tuple[int, ...]],
-              override_for: Callable[[tuple[str, ...]], str | None]) -> Summary:
+              override_for: Callable[[tuple[str, ...]], str | None],
+              factor_rank: int | None = None) -> Summary:
   """The summary of a curvature plan.
 
   Args:
@@ -163,6 +170,8 @@ def summarize(layers: dict[str, tuple[tuple[str, ...], Any]],
     fallback_paths: diagonal-fallback leaf key -> leaf path.
     param_shapes: every params leaf path -> its shape, in params-tree order.
     override_for: module path -> its ``layer_overrides`` choice, or None.
+    factor_rank: the rank that full factors above it are inverted at
+      (series blocks excepted), or None.
 
   Returns:
     One row per layer block, and per module the rows of its params in the
@@ -173,6 +182,10 @@ def summarize(layers: dict[str, tuple[tuple[str, ...], Any]],
   groups = {}  # (module path, kind) -> [factors, stacks, leaves]
   for path, block in layers.values():
     kind, factors, stacks = _kind_and_factors(block)
+    if factor_rank is not None and kind not in blocks.SERIES_OPTIONS:
+      factors = tuple(f._replace(rank=factor_rank)
+                      if not f.diagonal and f.size > factor_rank else f
+                      for f in factors)
     groups[path, kind] = [factors, stacks, [path + (n,) for n in block.param_names]]
   owned = {leaf for _, _, leaves in groups.values() for leaf in leaves}
   fallback = set(fallback_paths.values())

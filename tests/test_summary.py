@@ -68,6 +68,17 @@ def test_table_lists_every_module_its_block_and_shares():
   assert conv.stacks == 2
 
 
+def test_factors_kept_at_rank_show_it():
+  # factor_rank=6: full factors above 6 rows (out's A 9, G 5 stays; embed's
+  # G 8) are inverted at rank 6; diagonal ones are not factors to invert.
+  text = str(kfac_optax.describe(kfac_optax.scale_by_kfac(
+      Mixed().apply, LOSS, factor_rank=6, **SETTINGS), PARAMS))
+  assert "A 9×9 rank 6 · G 5×5 " in text
+  assert "A diag 50 · G 8×8 rank 6 " in text
+  assert "2 × (A diag 25 · G 6×6)" in text
+  assert "A 9×9 rank 6 · G diag 16" in text
+
+
 @pytest.mark.parametrize("build", [
     lambda: optax.chain(optax.clip(1.0), kfac_optax.scale_by_kfac(
         Mixed().apply, LOSS, **SETTINGS), optax.sgd(0.1)),
