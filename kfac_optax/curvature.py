@@ -679,9 +679,10 @@ class Curvature:
     for key, block in plan.all_blocks().items():
       factors[key], inverses[key] = jax.tree.map(lambda x: x.astype(dtype),
                                                  block.init())
-      inverses[key] = linalg.low_rank_identities(
-          jax.eval_shape(block.damped, factors[key], jnp.ones([], dtype)),
-          inverses[key], self.factor_rank)
+      if self.factor_rank is not None:  # which factors are kept at rank
+        inverses[key] = linalg.low_rank_identities(
+            jax.eval_shape(block.damped, factors[key], jnp.ones([], dtype)),
+            inverses[key], self.factor_rank)
     # Distinct buffers: a state passed with donate_argnums must not alias.
     counters = [jnp.zeros([], jnp.int32) for _ in range(5)]
     return ScaleByKFACState(*counters[:2], factors, inverses,

@@ -380,7 +380,7 @@ def invert_all(tree: Any, method: str, stack_sharding: Any = None,
   starts = treedef.flatten_up_to(previous) if previous is not None else None
   _low_rank_inverses(leaves, results, starts, rank, stack_sharding)
   requests = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, Damped)
-              and not _kept_at_rank(leaf.matrix.shape, rank)}
+              and not _kept_at_rank(leaf, rank)}
   warm = method == "newton_schulz" and power == -1 and previous is not None
   buckets = bucket_sizes(leaf.matrix.shape[-1] for leaf in requests.values())
   for bucket in sorted(set(buckets.values())):
@@ -419,10 +419,11 @@ def _is_damped(x: Any) -> bool:
   return isinstance(x, (Damped, DampedDiagonal, DampedLag))
 
 
-def _kept_at_rank(shape: tuple, rank: int | None) -> bool:
-  """Whether a factor of ``shape`` ``(..., d, d)`` gets a low-rank inverse
-  at ``rank`` (None: none does)."""
-  return rank is not None and shape[-1] > rank
+def _kept_at_rank(leaf: Any, rank: int | None) -> bool:
+  """Whether ``leaf`` (of a tree for `invert_all`) gets a low-rank inverse
+  at ``rank``: a `Damped` of more than ``rank`` rows (None: none does)."""
+  return (rank is not None and isinstance(leaf, Damped)
+          and leaf.matrix.shape[-1] > rank)
 
 
 def low_rank_identities(tree: Any, inverses: Any, rank: int | None) -> Any:
@@ -433,8 +434,8 @@ def low_rank_identities(tree: Any, inverses: Any, rank: int | None) -> Any:
   current = treedef.flatten_up_to(inverses)
   return treedef.unflatten([
       low_rank.identity(inverse.shape, rank, inverse.dtype)
-      if isinstance(leaf, Damped) and _kept_at_rank(leaf.matrix.shape, rank)
-      else inverse for leaf, inverse in zip(leaves, current)])
+      if _kept_at_rank(leaf, rank) else inverse
+      for leaf, inverse in zip(leaves, current)])
 
 
 def _low_rank_inverses(leaves: list, results: list, starts: list | None,
@@ -444,7 +445,7 @@ def _low_rank_inverses(leaves: list, results: list, starts: list | None,
   others; each starts from its basis in ``starts`` (the inverses in use)."""
   groups: dict[int, list[int]] = {}
   for i, leaf in enumerate(leaves):
-    if isinstance(leaf, Damped) and _kept_at_rank(leaf.matrix.shape, rank):
+    if _kept_at_rank(leaf, rank):
       groups.setdefault(leaf.matrix.shape[-1], []).append(i)
   for members in groups.values():
     def basis(i):
