@@ -22,7 +22,8 @@ True: pass"``, started and stopped here):
 2. The README's main example (`examples/mlp_classifier.py`: MLP
    784-256-128-10, batch 256, K-FAC at the example's settings, the README's
    recipe: lr 1e-3, damping 1e-3, momentum 0.9, statistics every 10 steps,
-   inverses every 50; Adam 3e-3): K-FAC with each inverse method and Adam,
+   inverses every 50; Adam 3e-3): K-FAC with each inverse method, K-FAC as
+   the example runs it (``inverse="auto"``, ``factor_rank=32``) and Adam,
    each contender's steps alone and back to back (`harness.race` of one),
    contenders in turn, as the example runs them: interleaved, the threads
    that one contender's LAPACK calls leave spinning would slow the others'
@@ -131,15 +132,16 @@ def mlp_example(quick: bool):
       register_kfac_jax_loss=None, data=(x, y), batch_size=256)
   args = mlp_classifier.parse_args([])
   step = harness.train_step(workload)
-  racers = []
-  for inverse in KFAC_INVERSES:
-    settings = dict(learning_rate=args.kfac_lr, momentum=args.kfac_momentum,
-                    damping=args.kfac_damping,
-                    stats_update_period=args.kfac_stats_period,
-                    inverse_update_period=args.kfac_inverse_period,
-                    inverse=inverse)
-    racers.append(harness.kfac_optax_contender(
-        f"K-FAC {inverse}", settings, workload, step))
+  recipe = dict(learning_rate=args.kfac_lr, momentum=args.kfac_momentum,
+                damping=args.kfac_damping,
+                stats_update_period=args.kfac_stats_period,
+                inverse_update_period=args.kfac_inverse_period)
+  racers = [harness.kfac_optax_contender(
+      f"K-FAC {inverse}", {**recipe, "inverse": inverse}, workload, step)
+            for inverse in KFAC_INVERSES]
+  racers.append(harness.kfac_optax_contender(  # the example's own K-FAC
+      f"K-FAC auto, rank {args.kfac_factor_rank}",
+      {**recipe, "factor_rank": args.kfac_factor_rank}, workload, step))
   racers.append(harness.optax_contender(
       "Adam", "adam", optax.adam(args.adam_lr), dict(learning_rate=args.adam_lr),
       workload, step))

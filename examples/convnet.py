@@ -8,13 +8,13 @@ block (input patches ⊗ output gradients) and the linear layer a K-FAC block.
 
 As in `mlp_classifier.py` (whose data, training, evaluation and plot
 helpers this script reuses), both optimizers start from the same parameters
-and see the same mini-batches in the same order; K-FAC also gets a fresh
-random key per step to sample targets for its Fisher estimate. The model is
-Flax linen (``--api linen``, the default) or the same network as an
-``nnx.Module`` trained through ``nnx.Optimizer`` under ``nnx.jit``
-(``--api nnx``). The script prints the final loss and accuracy on the train
-and test sets, the time per step of each optimizer, and saves both
-training-loss curves (against steps and seconds) to a PNG.
+and see the same mini-batches in the same order, a step of each in turn;
+K-FAC also gets a fresh random key per step to sample targets for its
+Fisher estimate. The model is Flax linen (``--api linen``, the default) or
+the same network as an ``nnx.Module`` trained through ``nnx.Optimizer``
+under ``nnx.jit`` (``--api nnx``). The script prints the final loss and
+accuracy on the train and test sets, the time per step of each optimizer,
+and saves both training-loss curves (against steps and seconds) to a PNG.
 
 From the repository root::
 
@@ -26,12 +26,10 @@ From the repository root::
 import argparse
 import math
 import os
-import time
 
 from flax import nnx
 import flax.linen as nn
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import kfac_optax
@@ -162,30 +160,6 @@ def make_optimizers(model, loss, example_batch, args):
   }
 
 
-def _train_and_evaluate(name, tx, trainer, evaluate, order, seed, data):
-  """Trains one optimizer from the `mlp_classifier.Trainer`'s initial
-  weights; returns (metrics, (losses, step seconds))."""
-  x_train, y_train, x_test, y_test = data
-  state = trainer.start(tx)
-  start = time.perf_counter()
-  state, curve, step_seconds = mlp_classifier.train(
-      name, state, trainer.step, x_train, y_train, order, seed)
-  seconds = time.perf_counter() - start
-  params = trainer.params_of(state)
-  train_loss, train_accuracy = evaluate(params, x_train, y_train)
-  test_loss, test_accuracy = evaluate(params, x_test, y_test)
-  after_first = step_seconds[1:] if len(step_seconds) > 1 else step_seconds
-  return {
-      "train_loss": train_loss, "train_accuracy": train_accuracy,
-      "test_loss": test_loss, "test_accuracy": test_accuracy,
-      "last_batch_loss": float(np.mean(curve[-max(1, len(curve) // 10):])),
-      "seconds": seconds,
-      "compile_seconds": step_seconds[0],
-      "ms_per_step": 1e3 * float(np.mean(after_first)),
-      "median_ms_per_step": 1e3 * float(np.median(after_first)),
-  }, (curve, step_seconds)
-
-
 def main(argv=None):
   """Trains the convnet with K-FAC and with Adam; prints and returns metrics.
 
@@ -193,12 +167,9 @@ def main(argv=None):
     argv: command-line arguments (default ``sys.argv[1:]``).
 
   Returns:
-    ``{"kfac": metrics, "adam": metrics}`` where ``metrics`` has
-    ``train_loss``, ``train_accuracy``, ``test_loss``, ``test_accuracy``
-    (on the training and test examples used), ``last_batch_loss`` (mean over
-    the last 10% of steps), ``seconds`` (training wall time, compilation
-    included), ``compile_seconds`` (the first step), ``ms_per_step`` and
-    ``median_ms_per_step`` (mean and median over the other steps).
+    ``{"kfac": metrics, "adam": metrics}``, the metrics of
+    `mlp_classifier.summarize_runs` (on the training and test examples
+    used).
   """
   args = parse_args(argv)
   x_train, y_train, x_test, y_test, description = datasets.load_classification(
@@ -226,15 +197,15 @@ def main(argv=None):
                                      args.steps, args.seed)
   evaluate = mlp_classifier.make_evaluate(trainer.logits, loss)
 
-  results, curves = {}, {}
   # One OpenBLAS thread for the LAPACK calls of K-FAC's inverses: with
   # OpenBLAS's own threads on a small CPU machine the refreshes were 10-20x
   # slower, and concurrent LAPACK calls could stall (see the function).
   with single_threaded_lapack():
-    for name, tx in optimizers.items():
-      results[name.lower().replace("-", "")], curves[name] = _train_and_evaluate(
-          name, tx, trainer, evaluate, order, args.seed,
-          (x_train, y_train, x_test, y_test))
+    trained = mlp_classifier.train(
+        {name: trainer.start(tx) for name, tx in optimizers.items()},
+        trainer.step, x_train, y_train, order, args.seed)
+  results, curves = mlp_classifier.summarize_runs(
+      trained, trainer.params_of, evaluate, (x_train, y_train, x_test, y_test))
 
   print(f"\nFinal metrics after {args.steps} steps ({description}):")
   print(f"{'':>6} {'train loss':>10} {'train acc':>9} {'test loss':>9} "

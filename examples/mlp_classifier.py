@@ -1,12 +1,13 @@
 """K-FAC against Adam on an MLP classifier (Fashion-MNIST, or sklearn digits).
 
 Both optimizers start from the same parameters and see the same mini-batches
-in the same order; K-FAC additionally gets a fresh random key per step, which
-it uses to sample targets from the model for its Fisher estimate. The script
-prints K-FAC's block per layer, then loss and accuracy on the full train and
-test sets, the mean time per step, and how long K-FAC took to reach Adam's
-final training loss against Adam's own time; it saves the two training-loss
-curves, against steps and against seconds, to a PNG.
+in the same order, side by side (a step of each in turn, so that both meet
+the machine's slow spells alike); K-FAC additionally gets a fresh random key
+per step, which it uses to sample targets from the model for its Fisher
+estimate. The script prints K-FAC's block per layer, then loss and accuracy
+on the full train and test sets, the mean time per step, and how long K-FAC
+took to reach Adam's final training loss against Adam's own time; it saves
+the two training-loss curves, against steps and against seconds, to a PNG.
 
 K-FAC runs with the README's recommended settings for wall-clock speed:
 learning rate and damping 1e-3, statistics every 10 steps, inverses every
@@ -245,26 +246,79 @@ def make_evaluate(logits_fn, loss):
   return evaluate
 
 
-def train(name, state, step_fn, x, y, order, seed):
-  """Runs ``len(order)`` steps.
+def train(states, step_fn, x, y, order, seed):
+  """Runs ``len(order)`` steps of every optimizer in ``states``, side by side.
+
+  At every step each optimizer in turn takes the same batch and random key.
+  Interleaved, a stretch of the machine running slow (here: tens to hundreds
+  of steps 1.5x slower, whichever optimizer was running) falls on all of
+  them alike, not on whichever ran first.
+
+  Args:
+    states: ``{name: training state}``.
+    step_fn: ``(state, batch, rng) -> (state, loss)``.
+    x, y: the training examples and labels.
+    order: the mini-batches' indices, shape (steps, batch size).
+    seed: the random keys' seed.
 
   Returns:
-    The final state, the per-step losses and the per-step wall times in
-    seconds (each step waited for; the first includes compilation).
+    ``{name: (final state, per-step losses, per-step wall times in
+    seconds)}``, each step waited for (the first includes compilation).
   """
-  rng = jax.random.key(seed + 1)
-  losses, seconds = [], []
-  bar = tqdm(order, desc=f"{name:>5}", unit="step", dynamic_ncols=True)
+  states, rng = dict(states), jax.random.key(seed + 1)
+  losses = {name: [] for name in states}
+  seconds = {name: [] for name in states}
+  bar = tqdm(order, desc=" / ".join(states), unit="step", dynamic_ncols=True)
   for i, indices in enumerate(bar):
     rng, step_rng = jax.random.split(rng)
     batch = (x[indices], y[indices])
-    start = time.perf_counter()
-    state, loss = step_fn(state, batch, step_rng)
-    losses.append(float(loss))  # waits for the step
-    seconds.append(time.perf_counter() - start)
+    for name in states:
+      start = time.perf_counter()
+      states[name], loss = step_fn(states[name], batch, step_rng)
+      losses[name].append(float(loss))  # waits for the step
+      seconds[name].append(time.perf_counter() - start)
     if i % 20 == 0 or i == len(order) - 1:
-      bar.set_postfix(loss=f"{losses[-1]:.4f}")
-  return state, np.asarray(losses), np.asarray(seconds)
+      bar.set_postfix({name: f"{values[-1]:.4f}" for name, values in losses.items()})
+  return {name: (states[name], np.asarray(losses[name]), np.asarray(seconds[name]))
+          for name in states}
+
+
+def summarize_runs(trained, params_of, evaluate, data):
+  """Metrics of each optimizer's run of `train`.
+
+  Args:
+    trained: `train`'s result.
+    params_of: ``state -> params``.
+    evaluate: ``(params, x, y) -> (mean loss, accuracy)``.
+    data: ``(x_train, y_train, x_test, y_test)``.
+
+  Returns:
+    ``(results, curves)``: ``results[key]`` (key: the name lowercased,
+    without "-") has ``train_loss``, ``train_accuracy``, ``test_loss``,
+    ``test_accuracy``, ``last_batch_loss`` (mean over the last 10% of
+    steps), ``seconds`` (the steps' wall time, compilation included),
+    ``compile_seconds`` (the first step), ``ms_per_step`` and
+    ``median_ms_per_step`` (mean and median of the other steps);
+    ``curves[name] = (losses, step seconds)``.
+  """
+  x_train, y_train, x_test, y_test = data
+  results, curves = {}, {}
+  for name, (state, losses, step_s) in trained.items():
+    curves[name] = (losses, step_s)
+    params = params_of(state)
+    train_loss, train_accuracy = evaluate(params, x_train, y_train)
+    test_loss, test_accuracy = evaluate(params, x_test, y_test)
+    after_first = step_s[1:] if len(step_s) > 1 else step_s
+    results[name.lower().replace("-", "")] = {
+        "train_loss": train_loss, "train_accuracy": train_accuracy,
+        "test_loss": test_loss, "test_accuracy": test_accuracy,
+        "last_batch_loss": float(np.mean(losses[-max(1, len(losses) // 10):])),
+        "seconds": float(np.sum(step_s)),
+        "compile_seconds": float(step_s[0]),
+        "ms_per_step": 1e3 * float(np.mean(after_first)),
+        "median_ms_per_step": 1e3 * float(np.median(after_first)),
+    }
+  return results, curves
 
 
 def trailing_mean(values, window):
@@ -337,10 +391,9 @@ def main(argv=None):
     argv: command-line arguments (default ``sys.argv[1:]``).
 
   Returns:
-    ``{"kfac": metrics, "adam": metrics}`` where ``metrics`` has
-    ``train_loss``, ``train_accuracy``, ``test_loss``, ``test_accuracy``
-    (full sets), ``last_batch_loss`` (mean over the last 10% of steps) and
-    ``seconds`` (training wall time, compilation included).
+    ``{"kfac": metrics, "adam": metrics}``, the metrics of `summarize_runs`
+    (losses and accuracies on the full sets); K-FAC's also have
+    ``time_to_adam_final_loss_vs_adam``.
   """
   args = parse_args(argv)
   x_train, y_train, x_test, y_test, description = datasets.load_classification(
@@ -375,25 +428,10 @@ def main(argv=None):
   order = batch_order(len(x_train), args.batch_size, args.steps, args.seed)
   evaluate = make_evaluate(trainer.logits, loss)
 
-  results, curves = {}, {}
-  for name, tx in optimizers.items():
-    state = trainer.start(tx)
-    start = time.perf_counter()
-    state, losses, step_s = train(name, state, trainer.step, x_train, y_train,
-                                  order, args.seed)
-    seconds = time.perf_counter() - start
-    curves[name] = (losses, step_s)
-    params = trainer.params_of(state)
-    train_loss, train_accuracy = evaluate(params, x_train, y_train)
-    test_loss, test_accuracy = evaluate(params, x_test, y_test)
-    tail = max(1, len(losses) // 10)
-    results[name.lower().replace("-", "")] = {
-        "train_loss": train_loss, "train_accuracy": train_accuracy,
-        "test_loss": test_loss, "test_accuracy": test_accuracy,
-        "last_batch_loss": float(np.mean(losses[-tail:])),
-        "seconds": seconds,
-        "ms_per_step": 1e3 * float(np.mean(step_s[1:])),
-    }
+  trained = train({name: trainer.start(tx) for name, tx in optimizers.items()},
+                  trainer.step, x_train, y_train, order, args.seed)
+  results, curves = summarize_runs(trained, trainer.params_of, evaluate,
+                                   (x_train, y_train, x_test, y_test))
 
   print(f"\nFinal metrics after {args.steps} steps ({description}):")
   print(f"{'':>6} {'train loss':>10} {'train acc':>9} {'test loss':>9} "
