@@ -6,6 +6,7 @@ bucket, optionally with the stack sharded over devices.
 """
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Iterable, NamedTuple
 
@@ -455,7 +456,16 @@ def _low_rank_inverses(leaves: list, results: list, starts: list | None,
     stacks = (_stacked(leaves, members, lambda i: leaves[i].matrix),
               _damping_stack(leaves, members), _stacked(leaves, members, basis))
     _unstack(results, leaves, members,
-             _distributed(low_rank.damped_inverse, stacks, stack_sharding))
+             _distributed(_low_rank_stack, stacks, stack_sharding, batched=True))
+
+
+def _low_rank_stack(matrices: jax.Array, dampings: jax.Array,
+                    bases: jax.Array) -> low_rank.LowRankInverse:
+  """`low_rank.damped_inverse` of a stack: its products and Gram-Schmidt
+  batched over the stack (one loop for all, none of them LAPACK), the
+  small eigh one matrix at a time on CPU (`_over_stack`)."""
+  return low_rank.damped_inverse(
+      matrices, dampings, bases, eigh=lambda m: _over_stack(jnp.linalg.eigh, m))
 
 
 def _padded(matrices: jax.Array, size: int, fill: jax.Array) -> jax.Array:
@@ -582,21 +592,28 @@ def _unstack(results: list, leaves: list, members: list[int], stacked: Any) -> N
     offset += num
 
 
-def _distributed(each: Callable[..., Any], stacks: tuple, stack_sharding: Any) -> Any:
+def _distributed(each: Callable[..., Any], stacks: tuple, stack_sharding: Any,
+                 batched: bool = False) -> Any:
   """``each`` over the leading axis of ``stacks``, split over devices if sharded.
 
   With ``stack_sharding`` the stacks are padded to a multiple of its
-  ``num_shards`` (with copies of their first entry, skipped on CPU), so
-  every device handles an equal share; the results are gathered back.
+  ``num_shards`` (with copies of their first entry, skipped on CPU unless
+  ``batched``), so every device handles an equal share; the results are
+  gathered back. ``batched``: ``each`` takes whole stacks (a device's
+  share) instead of one matrix each.
   """
+  if batched:
+    over_stack = lambda *s, real=None: each(*s)
+  else:
+    over_stack = functools.partial(_over_stack, each)
   if stack_sharding is None:
-    return _over_stack(each, *stacks)
+    return over_stack(*stacks)
   count = len(stacks[0])
   extra = -count % stack_sharding.num_shards
   padded = [jnp.concatenate([s, jnp.broadcast_to(s[:1], (extra, *s.shape[1:]))])
             for s in stacks]
   real = jnp.arange(count + extra) < count
-  return stack_sharding.map(lambda r, *s: _over_stack(each, *s, real=r), real, *padded)
+  return stack_sharding.map(lambda r, *s: over_stack(*s, real=r), real, *padded)
 
 
 def _over_stack(each, *stacks: jax.Array, real: jax.Array | None = None) -> Any:

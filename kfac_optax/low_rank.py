@@ -17,7 +17,7 @@ from the previous refresh's basis, as in randomized K-FAC (Puiu 2022):
 factors change little between refreshes.
 """
 
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,58 +57,71 @@ def identity(shape: tuple, rank: int, dtype) -> LowRankInverse:
 
 
 def damped_inverse(matrix: jax.Array, damping: jax.Array,
-                   previous_basis: jax.Array) -> LowRankInverse:
-  """`LowRankInverse` of ``(matrix + damping·I)``, one ``(d, d)`` matrix.
+                   previous_basis: jax.Array,
+                   eigh: Callable[[jax.Array], Any] = jnp.linalg.eigh) -> LowRankInverse:
+  """`LowRankInverse` of ``(matrix + damping·I)``, over leading stack axes.
 
   Args:
-    matrix: symmetric PSD.
-    damping: positive scalar.
-    previous_basis: ``(d, k)``, the basis in use (zeros before the first
-      refresh: the iteration then starts from the k columns of ``matrix``
-      with the largest diagonal, as good a guess as any without a basis).
-      k sets the rank; ``k < d``.
+    matrix: ``(..., d, d)``, symmetric PSD.
+    damping: ``(...)``, positive.
+    previous_basis: ``(..., d, k)``, the basis in use (zeros before the
+      first refresh: the iteration then starts from the k columns of
+      ``matrix`` with the largest diagonal, as good a guess as any without
+      a basis). k sets the rank; ``k < d``.
+    eigh: ``jnp.linalg.eigh`` or an equivalent over the stack of the small
+      projected matrices (`linalg` runs LAPACK one matrix at a time on CPU);
+      the rest, matrix products and Gram-Schmidt, is batched over the stack.
   """
-  size, rank = previous_basis.shape
+  size, rank = previous_basis.shape[-2:]
   extra = min(OVERSAMPLE, size - rank)
   # The largest-diagonal columns lie in the factor's range, near its top.
-  columns = matrix[:, jnp.argsort(-jnp.diagonal(matrix))[:rank + extra]]
-  start = jnp.where(jnp.any(previous_basis != 0), previous_basis, columns[:, :rank])
-  basis = jnp.concatenate([start, columns[:, rank:]], axis=1)
+  largest = jnp.argsort(-jnp.diagonal(matrix, axis1=-2, axis2=-1), axis=-1)
+  columns = jnp.take_along_axis(matrix, largest[..., None, :rank + extra], axis=-1)
+  has_basis = jnp.any(previous_basis != 0, axis=(-2, -1), keepdims=True)
+  start = jnp.where(has_basis, previous_basis, columns[..., :rank])
+  basis = jnp.concatenate([start, columns[..., rank:]], axis=-1)
   for _ in range(ITERATIONS):
     basis = orthonormal_columns(matrix @ basis)
   # Rayleigh-Ritz: the best eigenpairs within the iterated subspace.
-  ritz_values, ritz_vectors = jnp.linalg.eigh(basis.T @ matrix @ basis)
-  top = jnp.maximum(ritz_values[-rank:], 0.0)
-  rest = jnp.maximum(jnp.trace(matrix) - jnp.sum(top), 0.0) / (size - rank)
+  ritz_values, ritz_vectors = eigh(_transpose(basis) @ matrix @ basis)
+  top = jnp.maximum(ritz_values[..., -rank:], 0.0)
+  trace = jnp.trace(matrix, axis1=-2, axis2=-1)
+  rest = jnp.maximum(trace - jnp.sum(top, axis=-1), 0.0) / (size - rank)
   floor = 1.0 / (rest + damping)
-  return LowRankInverse(basis @ ritz_vectors[:, -rank:],
-                        1.0 / (top + damping) - floor, floor)
+  return LowRankInverse(basis @ ritz_vectors[..., -rank:],
+                        1.0 / (top + damping[..., None]) - floor[..., None], floor)
 
 
 def orthonormal_columns(y: jax.Array) -> jax.Array:
-  """Orthonormal columns spanning those of ``y`` (d×n), and zero columns for
-  its rank deficit (a factor of rank < n: few examples so far).
+  """Orthonormal columns spanning those of ``y`` (``(..., d, n)``, over
+  leading stack axes), and zero columns for its rank deficit (a factor of
+  rank < n: few examples so far).
 
   Classical Gram-Schmidt with reorthogonalisation (each column projected
   off the earlier ones twice, which keeps them orthogonal to round-off:
-  Giraud et al. 2005), one column per loop step. Not jax's QR: on CPU it
-  is an OpenBLAS call whose threads then spin for ~0.1 s on the cores of
-  the next training steps (see `cholesky`); nor an eigh of the Gram ``yᵀy``,
-  which squares the columns' condition number (that of ``M`` on the
-  subspace): in float32 it lost the weaker directions of image factors.
-  A column whose remainder is below ``n·ε`` of its norm is dependent: zero.
+  Giraud et al. 2005), one column per loop step for the whole stack. Not
+  jax's QR: on CPU it is an OpenBLAS call whose threads then spin for
+  ~0.1 s on the cores of the next training steps (see `cholesky`); nor an
+  eigh of the Gram ``yᵀy``, which squares the columns' condition number
+  (that of ``M`` on the subspace): in float32 it lost the weaker
+  directions of image factors. A column whose remainder is below ``n·ε``
+  of its norm is dependent: zero.
   """
-  threshold = y.shape[1] * jnp.finfo(y.dtype).eps
+  threshold = y.shape[-1] * jnp.finfo(y.dtype).eps
 
   def column(j, q):
-    original = y[:, j]
+    original = y[..., j]
     v = original
     for _ in range(2):  # q's columns from j on are still zero
-      v = v - q @ (q.T @ v)
-    norm = jnp.linalg.norm(v)
-    independent = norm > threshold * jnp.linalg.norm(original)
-    return q.at[:, j].set(jnp.where(independent, v / jnp.where(independent, norm, 1.0), 0.0))
-  return jax.lax.fori_loop(0, y.shape[1], column, jnp.zeros_like(y))
+      v = v - (q @ (_transpose(q) @ v[..., None]))[..., 0]
+    norm = jnp.linalg.norm(v, axis=-1, keepdims=True)
+    independent = norm > threshold * jnp.linalg.norm(original, axis=-1, keepdims=True)
+    return q.at[..., j].set(jnp.where(independent, v / jnp.where(independent, norm, 1.0), 0.0))
+  return jax.lax.fori_loop(0, y.shape[-1], column, jnp.zeros_like(y))
+
+
+def _transpose(x: jax.Array) -> jax.Array:
+  return jnp.swapaxes(x, -1, -2)
 
 
 def left_multiply(inverse, matrix: jax.Array) -> jax.Array:
@@ -116,7 +129,7 @@ def left_multiply(inverse, matrix: jax.Array) -> jax.Array:
   or a `LowRankInverse`."""
   if not isinstance(inverse, LowRankInverse):
     return inverse @ matrix
-  projected = jnp.swapaxes(inverse.basis, -1, -2) @ matrix
+  projected = _transpose(inverse.basis) @ matrix
   return (inverse.floor[..., None, None] * matrix
           + inverse.basis @ (inverse.weights[..., None] * projected))
 
@@ -127,4 +140,4 @@ def right_multiply(matrix: jax.Array, inverse) -> jax.Array:
     return matrix @ inverse
   projected = (matrix @ inverse.basis) * inverse.weights[..., None, :]
   return (inverse.floor[..., None, None] * matrix
-          + projected @ jnp.swapaxes(inverse.basis, -1, -2))
+          + projected @ _transpose(inverse.basis))

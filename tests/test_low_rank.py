@@ -75,6 +75,22 @@ def test_exact_where_the_factor_has_at_most_rank_eigenvalues():
   assert bf.relative_error(dense(inverse), expected) < 1e-5
 
 
+def test_a_stack_is_refreshed_as_each_matrix_alone():
+  # Batched over the stack (one Gram-Schmidt loop for all), each matrix
+  # with its own damping, and its own start: a basis, or none yet.
+  keys = jax.random.split(jax.random.key(6), 3)
+  matrices = jnp.stack([decaying_psd(k, 25, decay) for k, decay in
+                        zip(keys, (0.7, 0.8, 0.9))])
+  dampings = jnp.array([1e-3, 1e-2, 0.1])
+  warm = jax.jit(low_rank.damped_inverse)(matrices[0], 1e-3, jnp.zeros((25, 4))).basis
+  bases = jnp.stack([warm, jnp.zeros((25, 4)), warm])
+  stacked = jax.jit(low_rank.damped_inverse)(matrices, dampings, bases)
+  for i in range(3):
+    alone = jax.jit(low_rank.damped_inverse)(matrices[i], dampings[i], bases[i])
+    assert bf.relative_error(dense(jax.tree.map(lambda x: x[i], stacked)),
+                             dense(alone)) < 1e-5
+
+
 def test_products_match_the_dense_matrix():
   keys = jax.random.split(jax.random.key(3), 3)
   basis, _ = jnp.linalg.qr(jax.random.normal(keys[0], (2, 9, 3)))
