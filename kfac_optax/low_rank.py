@@ -25,7 +25,7 @@ import jax.numpy as jnp
 # Columns added to the k of the basis while iterating (Halko et al.'s
 # oversampling): they let directions that move into the top k be found.
 OVERSAMPLE = 8
-# Products with M per refresh (each followed by a QR).
+# Products with M per refresh (each followed by `orthonormal_columns`).
 ITERATIONS = 2
 
 
