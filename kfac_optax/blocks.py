@@ -223,29 +223,41 @@ class KroneckerBlock:
   def precondition(self, inverses: KroneckerFactors, grads: dict) -> dict:
     """Maps ``{kernel: ∇W[, bias: ∇b]}`` (leaves by `param_names`) to its
     preconditioned leaves, in the inverses' dtype."""
+    if all(isinstance(i, low_rank.LowRankInverse) for i in inverses):
+      return self._gradient_leaves(low_rank.sandwich(
+          inverses.a, self._gradient_rows(grads, inverses.a.dtype), inverses.g))
     stacked = self._gradient_matrix(grads, inverses.a.dtype)
     if self.diagonal_input:  # diag(a) @ V scales V's rows
       stacked = inverses.a[:, :, None] * stacked
     else:
       stacked = low_rank.left_multiply(inverses.a, stacked)
-    return self._gradient_leaves(stacked * inverses.g[:, None, :] if self.diagonal_output
-                                 else low_rank.right_multiply(stacked, inverses.g))
+    stacked = (stacked * inverses.g[:, None, :] if self.diagonal_output
+               else low_rank.right_multiply(stacked, inverses.g))
+    return self._matrix_leaves(stacked)
 
   def _gradient_matrix(self, grads: dict, dtype) -> jax.Array:
     """``V = [∇W; ∇b]``, ``(S, in_dim [+ 1], out_dim)``."""
-    kernel, *bias = self.param_names
-    stacked = self.layout.kernel_matrix(grads[kernel].astype(dtype))
-    if bias:
-      stacked = jnp.concatenate(
-          [stacked, self.layout.bias_matrix(grads[bias[0]].astype(dtype))[:, None]], 1)
-    return stacked
+    return jnp.concatenate(self._gradient_rows(grads, dtype), 1)
 
-  def _gradient_leaves(self, matrix: jax.Array) -> dict:
+  def _matrix_leaves(self, matrix: jax.Array) -> dict:
     """The inverse of `_gradient_matrix`."""
-    layout, (kernel, *bias) = self.layout, self.param_names
-    out = {kernel: layout.kernel_from_matrix(matrix[:, :layout.in_dim])}
+    return self._gradient_leaves(jnp.split(matrix, [self.layout.in_dim], 1))
+
+  def _gradient_rows(self, grads: dict, dtype) -> list[jax.Array]:
+    """The row blocks of ``V = [∇W; ∇b]``: ``(S, in_dim, out_dim)`` [and
+    ``(S, 1, out_dim)``]."""
+    kernel, *bias = self.param_names
+    rows = [self.layout.kernel_matrix(grads[kernel].astype(dtype))]
     if bias:
-      out[bias[0]] = layout.bias_from_matrix(matrix[:, layout.in_dim])
+      rows.append(self.layout.bias_matrix(grads[bias[0]].astype(dtype))[:, None])
+    return rows
+
+  def _gradient_leaves(self, rows: Sequence[jax.Array]) -> dict:
+    """The inverse of `_gradient_rows`."""
+    layout, (kernel, *bias) = self.layout, self.param_names
+    out = {kernel: layout.kernel_from_matrix(rows[0])}
+    if bias:
+      out[bias[0]] = layout.bias_from_matrix(rows[1][:, 0])
     return out
 
 
@@ -366,7 +378,7 @@ class SeriesBlock(KroneckerBlock):
       z = t(a.k) @ z @ g.k / jnp.where(denominator == 0, 1.0, denominator)
       z = a.k @ z @ t(g.k)
       u = z - t(a.p) @ z @ g.p
-    return self._gradient_leaves(u)
+    return self._matrix_leaves(u)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -866,12 +866,20 @@ class Curvature:
     factor keeps K-FAC's direction, with the layers' relative step sizes,
     which rescaling or dropping one block would not; the headroom leaves
     room for a learning rate, momentum and the parameters it is added to.
+    Only leaves of a dtype narrower than the product's are checked
+    (bfloat16, float16 with float32 curvature): in the product's own dtype
+    an entry within 16x of its largest value is a step that no training
+    survives either way, and the check is not free. Its scale depends on
+    every leaf, so it holds each product back until all are done (on the
+    deep autoencoder's rank-32 inverses, 2 CPU cores: 23-29 ms against
+    10-15 without it).
     """
     given, vector = vector, nnx_capture.pure(vector)
     product = self._apply(self._example_plan(vector), state.inverses, vector)
     scale = 1.0
     for u, v in zip(jax.tree.leaves(product), jax.tree.leaves(vector)):
-      if jnp.issubdtype(v.dtype, jnp.floating):
+      if (jnp.issubdtype(v.dtype, jnp.floating)
+          and jnp.finfo(v.dtype).max < jnp.finfo(u.dtype).max):
         limit = float(jnp.finfo(v.dtype).max) / 16
         scale = jnp.minimum(scale, limit / jnp.maximum(jnp.max(jnp.abs(u)), limit))
     fitted = jax.tree.map(lambda u, v: (u * scale).astype(v.dtype), product, vector)

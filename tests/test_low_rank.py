@@ -102,6 +102,17 @@ def test_products_match_the_dense_matrix():
   assert bf.relative_error(low_rank.left_multiply(inverse, v), matrices @ v) < 1e-6
   assert bf.relative_error(low_rank.right_multiply(w, inverse), w @ matrices) < 1e-6
 
+  # Both sides at once, on V given as a kernel's rows and a bias row.
+  right_basis, _ = jnp.linalg.qr(jax.random.normal(keys[2], (2, 4, 2)))
+  right = low_rank.LowRankInverse(right_basis, jnp.array([[0.3, -0.1], [1.5, 2.0]]),
+                                  jnp.array([1.1, 0.4]))
+  right_matrices = np.stack([dense(jax.tree.map(lambda x: x[i], right))
+                             for i in range(2)])
+  blocks = low_rank.sandwich(inverse, [v[:, :8], v[:, 8:]], right)
+  assert [b.shape for b in blocks] == [(2, 8, 4), (2, 1, 4)]
+  assert bf.relative_error(jnp.concatenate(blocks, 1),
+                           matrices @ np.asarray(v, np.float64) @ right_matrices) < 1e-6
+
 
 @pytest.mark.parametrize("distributed", [False, True])
 def test_invert_all_keeps_large_factors_at_rank(distributed):
@@ -145,7 +156,8 @@ def test_update_matches_explicit_kronecker_of_truncated_factors():
       tx.init(params))
   # Factors up to 6 rows: the iterated subspace (rank + OVERSAMPLE) is all of
   # it, so the refresh is the truncation exactly.
-  assert isinstance(state.inverses["hidden"].a, low_rank.LowRankInverse)
+  assert all(isinstance(inverse, low_rank.LowRankInverse)  # `low_rank.sandwich`
+             for inverse in state.inverses["hidden"])
 
   expected = {}
   for name, (a, g) in bf.factors(params, batch, "empirical").items():
