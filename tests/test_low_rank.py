@@ -145,9 +145,12 @@ def test_invert_all_keeps_large_factors_at_rank(distributed):
       np.linalg.inv(np.asarray(tree["small"].matrix[0]) + 0.2 * np.eye(3)), rtol=1e-4)
 
 
-def test_update_matches_explicit_kronecker_of_truncated_factors():
+@pytest.mark.parametrize("rank", [2, 3])
+def test_update_matches_explicit_kronecker_of_truncated_factors(rank):
+  """Rank 2: every factor at low rank (`low_rank.sandwich`); rank 3: the
+  3-row output factors stay exact, the input factors low rank."""
   params, batch = bf.tiny_problem(n=6, d_in=5)
-  model, damping, rank = bf.TinyMLP(), 1e-2, 2
+  model, damping = bf.TinyMLP(), 1e-2
   tx = kfac_optax.scale_by_kfac(
       model.apply, kfac_optax.losses.softmax_cross_entropy(), example_batch=batch,
       damping=damping, estimation="empirical", factor_rank=rank)
@@ -158,12 +161,15 @@ def test_update_matches_explicit_kronecker_of_truncated_factors():
   # it, so the refresh is the truncation exactly.
   assert all(isinstance(inverse, low_rank.LowRankInverse)  # `low_rank.sandwich`
              for inverse in state.inverses["hidden"])
+  assert isinstance(state.inverses["out"].g, low_rank.LowRankInverse) == (rank < 3)
 
   expected = {}
   for name, (a, g) in bf.factors(params, batch, "empirical").items():
     damping_a, damping_g = bf.pi_damping(a, g, damping)
-    inverse_a = truncated_inverse(a, damping_a, rank)
-    inverse_g = truncated_inverse(g, damping_g, rank)
+    inverse_a, inverse_g = (
+        truncated_inverse(f, d, rank) if len(f) > rank
+        else np.linalg.inv(np.asarray(f, np.float64) + d * np.eye(len(f)))
+        for f, d in ((a, damping_a), (g, damping_g)))
     v = np.asarray(grads[name]["kernel"], np.float64)
     if "bias" in grads[name]:
       v = np.concatenate([v, np.asarray(grads[name]["bias"], np.float64)[None]])
