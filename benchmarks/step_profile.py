@@ -35,6 +35,9 @@ From the repository root::
 
   python benchmarks/step_profile.py          # both workloads, writes RESULTS.md
   python benchmarks/step_profile.py --quick  # a small autoencoder, prints only
+  python benchmarks/step_profile.py --workload autoencoder \
+      --settings "norm_constraint=None,factor_rank=32,curvature_batch_size=250"
+                                             # other settings, prints only
 """
 
 import argparse
@@ -214,17 +217,25 @@ def main(argv=None):
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--profile-steps", type=int, default=5)
   parser.add_argument("--markdown", help="RESULTS.md to update (default "
-                      "benchmarks/RESULTS.md; none with --quick)")
+                      "benchmarks/RESULTS.md; none with --quick or --settings)")
+  parser.add_argument("--settings", type=harness.parse_settings, default={},
+                      help="kfac_optax keywords over the defaults, e.g. "
+                      "'factor_rank=32,curvature_batch_size=250' (prints only)")
+  parser.add_argument("--workload", choices=("autoencoder", "convnet"),
+                      help="only this one")
   args = parser.parse_args(argv)
+  if args.settings and args.markdown:
+    parser.error("--settings prints only; RESULTS.md holds the defaults' profile")
   if args.quick:
     args.steps, args.profile_steps = 2, 1
-  elif args.markdown is None:
+  elif args.markdown is None and not args.settings:
     args.markdown = harness.RESULTS_MD
+  modules = (autoencoder,) if args.quick else (autoencoder, convnet)
   results = {}
-  for module in (autoencoder,) if args.quick else (autoencoder, convnet):
+  for module in [m for m in modules if args.workload in (None, m.__name__.split(".")[-1])]:
     defaults = module.DEFAULTS
-    settings = dict(learning_rate=defaults["kfac_lr"], damping=defaults["kfac_damping"],
-                    momentum=0.9, inverse="cholesky")
+    settings = {**dict(learning_rate=defaults["kfac_lr"], damping=defaults["kfac_damping"],
+                       momentum=0.9, inverse="cholesky"), **args.settings}
     workload = module.workload(args.quick)
     print(f"{workload.title}:", flush=True)
     results[workload.title] = r = profile(workload, settings, 5, args.steps,
