@@ -221,18 +221,18 @@ def main(argv=None):
   parser.add_argument("--settings", type=harness.parse_settings, default={},
                       help="kfac_optax keywords over the defaults, e.g. "
                       "'factor_rank=32,curvature_batch_size=250' (prints only)")
-  parser.add_argument("--workload", choices=("autoencoder", "convnet"),
-                      help="only this one")
+  workloads = {"autoencoder": autoencoder, "convnet": convnet}
+  parser.add_argument("--workload", choices=list(workloads), help="only this one")
   args = parser.parse_args(argv)
   if args.settings and args.markdown:
     parser.error("--settings prints only; RESULTS.md holds the defaults' profile")
   if args.quick:
     args.steps, args.profile_steps = 2, 1
+    workloads = {"autoencoder": autoencoder}
   elif args.markdown is None and not args.settings:
     args.markdown = harness.RESULTS_MD
-  modules = (autoencoder,) if args.quick else (autoencoder, convnet)
   results = {}
-  for module in [m for m in modules if args.workload in (None, m.__name__.split(".")[-1])]:
+  for module in [m for name, m in workloads.items() if args.workload in (None, name)]:
     defaults = module.DEFAULTS
     settings = {**dict(learning_rate=defaults["kfac_lr"], damping=defaults["kfac_damping"],
                        momentum=0.9, inverse="cholesky"), **args.settings}
