@@ -870,9 +870,9 @@ class Curvature:
     (bfloat16, float16 with float32 curvature): in the product's own dtype
     an entry within 16x of its largest value is a step that no training
     survives either way, and the check is not free. Its scale depends on
-    every leaf, so it holds each product back until all are done (on the
-    deep autoencoder's rank-32 inverses, 2 CPU cores: 23-29 ms against
-    10-15 without it).
+    every leaf, so it holds each product back until all are done
+    (`benchmarks/preconditioning.py`; RESULTS.md, "Low-rank factor
+    inverses").
     """
     given, vector = vector, nnx_capture.pure(vector)
     product = self._apply(self._example_plan(vector), state.inverses, vector)

@@ -159,9 +159,9 @@ def sandwich(left: LowRankInverse, blocks: Sequence[jax.Array],
   one product of inner size k_L + k_R after the two thin ones: fewer passes
   over params-sized arrays than `left_multiply` then `right_multiply` of
   the concatenated ``V`` (whose copy XLA made once per consumer), and such
-  passes, not the O(d k m) products, set the cost on a CPU. On the deep
-  autoencoder's rank-32 inverses (2 CPU cores) all 8 layers took 6 ms
-  against 10-15 ms.
+  passes, not the O(d k m) products, set the cost on a CPU. With the
+  narrower dtype-fit check, the deep autoencoder's rank-32 preconditioning
+  went from 19 to 8 ms on 2 CPU cores (`benchmarks/preconditioning.py`).
   """
   rows = [block.shape[-2] for block in blocks]
   left_bases = jnp.split(left.basis, list(itertools.accumulate(rows))[:-1], axis=-2)
