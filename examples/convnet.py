@@ -203,7 +203,8 @@ def main(argv=None):
   with single_threaded_lapack():
     trained = mlp_classifier.train(
         {name: trainer.start(tx) for name, tx in optimizers.items()},
-        trainer.step, x_train, y_train, order, args.seed)
+        trainer.step, lambda i: (x_train[order[i]], y_train[order[i]]),
+        len(order), args.seed)
   results, curves = mlp_classifier.summarize_runs(
       trained, trainer.params_of, evaluate, (x_train, y_train, x_test, y_test))
 

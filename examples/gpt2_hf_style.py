@@ -19,7 +19,8 @@ no ``transformers`` install is needed:
 
 The text is CPython's pydoc help topics (see ``transformer_lm.py``): a
 character-level model, every position a loss term. Both optimizers start
-from the same parameters and see the same windows. The script prints the
+from the same parameters and see the same windows, side by side (a step of
+each in turn). The script prints the
 K-FAC blocks found, the loss every few steps, and the final losses.
 ``--compare-fallback`` adds K-FAC with the projections on the diagonal
 block, which is what they get without ``register_layer``.
@@ -206,7 +207,8 @@ def main(argv=None):
   loss = kfac_optax.losses.softmax_cross_entropy()
   example_batch = transformer_lm.windows(train_ids, np.arange(args.batch_size),
                                          args.seq_len)
-  params = model.init(jax.random.key(args.seed), example_batch[0])["params"]
+  trainer = mlp_classifier.linen_trainer(model, loss, example_batch[0], args.seed)
+  params = trainer.params
   print(f"{description}; GPT-2 (Hugging Face layout) with n_embd={args.width}, "
         f"n_layer={args.layers}: {sum(p.size for p in jax.tree.leaves(params))} "
         f"parameters; {args.steps} steps of {args.batch_size} windows of {args.seq_len}")
@@ -227,20 +229,21 @@ def main(argv=None):
         layer_overrides={"transformer/h/*/c_*": "diagonal"})
   order = mlp_classifier.batch_order(
       len(train_ids) - args.seq_len, args.batch_size, args.steps, args.seed)
-  step_fn = mlp_classifier.make_train_step(loss)
   evaluate = transformer_lm.make_evaluate(model.apply, loss, args.seq_len)
   eval_starts = transformer_lm.evaluation_starts(
       len(validation_ids), args.seq_len, 16 if args.quick else None)
 
-  curves, validation = {}, {}
   for name, tx in optimizers.items():
-    state = kfac_optax.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
     if name.startswith("K-FAC"):
       print(f"{name}: the block of every module\n{kfac_optax.describe(tx, params)}\n")
-    state = jax.tree.map(jnp.copy, state)  # the step donates its state
-    state, curves[name], _ = transformer_lm.train(
-        name, state, step_fn, train_ids, order, args.seq_len, args.seed)
-    validation[name] = evaluate(state.params, validation_ids, eval_starts)
+  with transformer_lm.single_threaded_lapack():
+    trained = mlp_classifier.train(
+        {name: trainer.start(tx) for name, tx in optimizers.items()}, trainer.step,
+        lambda i: transformer_lm.windows(train_ids, order[i], args.seq_len),
+        len(order), args.seed)
+  curves = {name: losses for name, (_, losses, _) in trained.items()}
+  validation = {name: evaluate(state.params, validation_ids, eval_starts)
+                for name, (state, _, _) in trained.items()}
 
   print(f"\ntraining loss (uniform guess: {math.log(len(vocab)):.3f} nats)")
   print(f"{'step':>6} " + " ".join(f"{name:>10}" for name in curves))

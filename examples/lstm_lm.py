@@ -6,7 +6,8 @@ or model them as a series (``"series_option1"``, ``"series_option2"``;
 Martens, Ba & Johnson 2018, see the README's "Recurrent networks"). This
 script trains the same LSTM language model with each of the three and with
 Adam at the best of three learning rates, on the same windows in the same
-order, and reports the loss against steps and against wall time.
+order, side by side (a step of each in turn, as in ``mlp_classifier.py``),
+and reports the loss against steps and against wall time.
 
 The text is the one `transformer_lm` uses: CPython's ``pydoc_data.topics``
 (shipped with every CPython, nothing is downloaded), the last 10% held out.
@@ -25,8 +26,6 @@ import math
 import os
 
 import flax.linen as nn
-import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -98,34 +97,6 @@ def parse_args(argv=None):
   return args
 
 
-def save_plot(path, curves, seconds, title):
-  """Training loss against steps and against cumulative wall time."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  if os.path.dirname(path):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-  for label, losses in curves.items():
-    window = max(1, min(25, len(losses) // 10))
-    smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
-    # Wall time excludes the first step (compilation).
-    elapsed = np.cumsum(np.concatenate([[0.0], seconds[label][1:]]))
-    axes[0].plot(np.arange(window, len(losses) + 1), smooth, label=label)
-    axes[1].plot(elapsed[window - 1:], smooth, label=label)
-  axes[0].set_xlabel("step")
-  axes[1].set_xlabel("seconds (compilation excluded)")
-  axes[0].set_ylabel(f"training loss (moving average of {window})")
-  for ax in axes:
-    ax.set_yscale("log")
-    ax.grid(True, which="both", alpha=0.3)
-  axes[0].legend()
-  fig.suptitle(title)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-
-
 def main(argv=None):
   """Trains with the three K-FAC options and Adam; prints and returns metrics.
 
@@ -149,7 +120,7 @@ def main(argv=None):
   loss = kfac_optax.losses.softmax_cross_entropy()
   example_batch = transformer_lm.windows(train_ids, np.arange(args.batch_size),
                                          args.seq_len)
-  params = jax.jit(model.init)(jax.random.key(args.seed), example_batch[0])["params"]
+  trainer = mlp_classifier.linen_trainer(model, loss, example_batch[0], args.seed)
   optimizers = {
       option: kfac_optax.kfac(
           model.apply, loss, example_batch=example_batch,
@@ -160,23 +131,24 @@ def main(argv=None):
   optimizers.update({f"adam {lr:g}": optax.adam(lr) for lr in args.adam_lrs})
   order = mlp_classifier.batch_order(len(train_ids) - args.seq_len,
                                      args.batch_size, args.steps, args.seed)
-  step_fn = mlp_classifier.make_train_step(loss)
   evaluate = transformer_lm.make_evaluate(model.apply, loss, args.seq_len)
   eval_starts = transformer_lm.evaluation_starts(len(validation_ids), args.seq_len,
                                                  args.eval_windows)
 
-  results, curves, seconds = {}, {}, {}
-  for name, tx in optimizers.items():
-    state = kfac_optax.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-    state = jax.tree.map(jnp.copy, state)  # the step donates its state
-    state, curves[name], seconds[name] = transformer_lm.train(
-        name, state, step_fn, train_ids, order, args.seq_len, args.seed)
+  with transformer_lm.single_threaded_lapack():
+    trained = mlp_classifier.train(
+        {name: trainer.start(tx) for name, tx in optimizers.items()}, trainer.step,
+        lambda i: transformer_lm.windows(train_ids, order[i], args.seq_len),
+        len(order), args.seed)
+  results, curves = {}, {}
+  for name, (state, losses, seconds) in trained.items():
+    curves[name] = (losses, seconds)
     tail = max(1, args.steps // 10)
     results[name] = {
         "validation_loss": evaluate(state.params, validation_ids, eval_starts),
-        "last_batch_loss": float(np.mean(curves[name][-tail:])),
-        "ms_per_step": 1e3 * float(np.median(seconds[name][1:])),
-        "seconds": float(np.sum(seconds[name][1:]))}
+        "last_batch_loss": float(np.mean(losses[-tail:])),
+        "ms_per_step": 1e3 * float(np.median(seconds[1:])),
+        "seconds": float(np.sum(seconds[1:]))}
 
   adam = min((n for n in results if n.startswith("adam")),
              key=lambda n: results[n]["last_batch_loss"])
@@ -187,8 +159,8 @@ def main(argv=None):
     print(f"{name:>16} {m['last_batch_loss']:13.4f} {m['validation_loss']:8.4f} "
           f"{m['ms_per_step']:7.1f} {m['seconds']:7.1f}{mark}")
   shown = [*args.options, adam]
-  save_plot(args.plot, {n: curves[n] for n in shown}, seconds,
-            f"LSTM character LM on pydoc topics ({args.steps} steps)")
+  mlp_classifier.save_plot(args.plot, {n: curves[n] for n in shown},
+                           f"LSTM character LM on pydoc topics ({args.steps} steps)")
   print(f"loss curves saved to {args.plot}")
   out = {name: results[name] for name in args.options}
   out["adam"] = {**results[adam], "learning_rate": float(adam.split()[1])}

@@ -112,7 +112,7 @@ class Trainer(NamedTuple):
 def linen_trainer(model, loss, example_inputs, seed):
   """A `Trainer` of a linen model, initialized from ``seed``:
   `kfac_optax.TrainState` under ``jax.jit``."""
-  params = model.init(jax.random.key(seed), example_inputs)["params"]
+  params = jax.jit(model.init)(jax.random.key(seed), example_inputs)["params"]
 
   def start(tx):
     state = kfac_optax.TrainState.create(apply_fn=model.apply, params=params,
@@ -246,8 +246,8 @@ def make_evaluate(logits_fn, loss):
   return evaluate
 
 
-def train(states, step_fn, x, y, order, seed):
-  """Runs ``len(order)`` steps of every optimizer in ``states``, side by side.
+def train(states, step_fn, batch_at, steps, seed):
+  """Runs ``steps`` steps of every optimizer in ``states``, side by side.
 
   At every step each optimizer in turn takes the same batch and random key.
   Interleaved, a stretch of the machine running slow (here: tens to hundreds
@@ -257,8 +257,8 @@ def train(states, step_fn, x, y, order, seed):
   Args:
     states: ``{name: training state}``.
     step_fn: ``(state, batch, rng) -> (state, loss)``.
-    x, y: the training examples and labels.
-    order: the mini-batches' indices, shape (steps, batch size).
+    batch_at: ``i -> the batch of step i``.
+    steps: how many steps each optimizer takes.
     seed: the random keys' seed.
 
   Returns:
@@ -268,16 +268,16 @@ def train(states, step_fn, x, y, order, seed):
   states, rng = dict(states), jax.random.key(seed + 1)
   losses = {name: [] for name in states}
   seconds = {name: [] for name in states}
-  bar = tqdm(order, desc=" / ".join(states), unit="step", dynamic_ncols=True)
-  for i, indices in enumerate(bar):
+  bar = tqdm(range(steps), desc=" / ".join(states), unit="step", dynamic_ncols=True)
+  for i in bar:
     rng, step_rng = jax.random.split(rng)
-    batch = (x[indices], y[indices])
+    batch = batch_at(i)
     for name in states:
       start = time.perf_counter()
       states[name], loss = step_fn(states[name], batch, step_rng)
       losses[name].append(float(loss))  # waits for the step
       seconds[name].append(time.perf_counter() - start)
-    if i % 20 == 0 or i == len(order) - 1:
+    if i % 20 == 0 or i == steps - 1:
       bar.set_postfix({name: f"{values[-1]:.4f}" for name, values in losses.items()})
   return {name: (states[name], np.asarray(losses[name]), np.asarray(seconds[name]))
           for name in states}
@@ -429,7 +429,8 @@ def main(argv=None):
   evaluate = make_evaluate(trainer.logits, loss)
 
   trained = train({name: trainer.start(tx) for name, tx in optimizers.items()},
-                  trainer.step, x_train, y_train, order, args.seed)
+                  trainer.step, lambda i: (x_train[order[i]], y_train[order[i]]),
+                  len(order), args.seed)
   results, curves = summarize_runs(trained, trainer.params_of, evaluate,
                                    (x_train, y_train, x_test, y_test))
 

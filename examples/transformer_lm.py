@@ -20,7 +20,8 @@ window is one loss term of K-FAC's Fisher.
 
 Both optimizers start from the same parameters and see the same windows in
 the same order (random start offsets, drawn without replacement from a seeded
-permutation); K-FAC also gets a fresh random key per step to sample targets
+permutation), side by side (a step of each in turn, as in
+``mlp_classifier.py``); K-FAC also gets a fresh random key per step to sample targets
 from the model for its Fisher estimate. At the end the script prints loss and
 bits per character on the training and validation text and the time per step,
 and saves both training-loss curves (against steps and seconds) to a PNG.
@@ -35,14 +36,12 @@ import argparse
 import contextlib
 import math
 import os
-import time
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from tqdm import tqdm
 
 import kfac_optax
 
@@ -213,30 +212,6 @@ def single_threaded_lapack():
   return threadpoolctl.threadpool_limits(1, user_api="blas")
 
 
-def train(name, state, step_fn, ids, order, seq_len, seed):
-  """Runs ``len(order)`` steps on the windows starting at ``order[i]``.
-
-  Returns:
-    The final state, the per-step losses and the per-step wall times in
-    seconds (the first includes compilation; each step is waited for).
-  """
-  rng = jax.random.key(seed + 1)
-  losses, seconds = [], []
-  bar = tqdm(order, desc=f"{name:>5}", unit="step", dynamic_ncols=True)
-  with single_threaded_lapack():
-    for i, starts in enumerate(bar):
-      rng, step_rng = jax.random.split(rng)
-      batch = tuple(jnp.asarray(a) for a in windows(ids, starts, seq_len))
-      start = time.perf_counter()
-      state, loss = step_fn(state, batch, step_rng)
-      losses.append(float(loss))  # waits for the step
-      seconds.append(time.perf_counter() - start)
-      if i % 20 == 0 or i == len(order) - 1:
-        bar.set_postfix(loss=f"{losses[-1]:.3f}",
-                        ms=f"{1e3 * np.median(seconds[1:] or seconds):.0f}")
-  return state, np.asarray(losses), np.asarray(seconds)
-
-
 def main(argv=None):
   """Trains the model with K-FAC and with Adam; prints and returns metrics.
 
@@ -251,7 +226,7 @@ def main(argv=None):
     ``last_batch_loss`` (mean over the last 10% of steps), ``first_loss``
     (loss of the first mini-batch), ``ms_per_step`` (median step time,
     compilation excluded), ``compile_seconds`` (first step) and
-    ``seconds`` (whole training loop).
+    ``seconds`` (all its steps).
   """
   args = parse_args(argv)
   text, description = load_text()
@@ -264,7 +239,8 @@ def main(argv=None):
   model = TransformerLM(len(vocab), args.seq_len)
   loss = kfac_optax.losses.softmax_cross_entropy()
   example_batch = windows(train_ids, np.arange(args.batch_size), args.seq_len)
-  params = model.init(jax.random.key(args.seed), example_batch[0])["params"]
+  trainer = mlp_classifier.linen_trainer(model, loss, example_batch[0], args.seed)
+  params = trainer.params
   print(f"{sum(p.size for p in jax.tree.leaves(params))} parameters")
   optimizers = {
       "K-FAC": kfac_optax.kfac(
@@ -276,19 +252,17 @@ def main(argv=None):
   }
   order = mlp_classifier.batch_order(
       len(train_ids) - args.seq_len, args.batch_size, args.steps, args.seed)
-  step_fn = mlp_classifier.make_train_step(loss)
   evaluate = make_evaluate(model.apply, loss, args.seq_len)
   eval_starts = {
       split: evaluation_starts(len(ids), args.seq_len, args.eval_windows)
       for split, ids in (("train", train_ids), ("validation", validation_ids))}
 
+  with single_threaded_lapack():
+    trained = mlp_classifier.train(
+        {name: trainer.start(tx) for name, tx in optimizers.items()}, trainer.step,
+        lambda i: windows(train_ids, order[i], args.seq_len), len(order), args.seed)
   results, curves = {}, {}
-  for name, tx in optimizers.items():
-    state = kfac_optax.TrainState.create(
-        apply_fn=model.apply, params=params, tx=tx)
-    state = jax.tree.map(jnp.copy, state)  # the step donates its state
-    state, losses, seconds = train(
-        name, state, step_fn, train_ids, order, args.seq_len, args.seed)
+  for name, (state, losses, seconds) in trained.items():
     curves[name] = (losses, seconds)
     metrics = {
         "train_loss": evaluate(state.params, train_ids, eval_starts["train"]),

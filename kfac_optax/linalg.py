@@ -425,8 +425,7 @@ def _is_damped(x: Any) -> bool:
 def _kept_at_rank(leaf: Any, rank: int | None) -> bool:
   """Whether ``leaf`` (of a tree for `invert_all`) gets a low-rank inverse
   at ``rank``: a `Damped` of more than ``rank`` rows (None: none does)."""
-  return (rank is not None and isinstance(leaf, Damped)
-          and leaf.matrix.shape[-1] > rank)
+  return isinstance(leaf, Damped) and low_rank.applies(leaf.matrix.shape[-1], rank)
 
 
 def low_rank_identities(tree: Any, inverses: Any, rank: int | None) -> Any:

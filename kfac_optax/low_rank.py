@@ -49,6 +49,12 @@ class LowRankInverse(NamedTuple):
     return self.floor.dtype
 
 
+def applies(size: int, rank: int | None) -> bool:
+  """Whether a full factor of ``size`` rows is inverted at ``rank`` (None:
+  every factor exactly): only above it, where the rank truncates."""
+  return rank is not None and size > rank
+
+
 def identity(shape: tuple, rank: int, dtype) -> LowRankInverse:
   """The identity of ``shape`` ``(..., d, d)`` as a rank-``rank``
   `LowRankInverse` (the inverses in use before the first refresh)."""

@@ -13,6 +13,7 @@ import warnings
 from typing import Any, Callable, NamedTuple
 
 from kfac_optax import blocks
+from kfac_optax import low_rank
 
 # Every kind, in table order, with what its preconditioner is.
 KINDS = {
@@ -182,9 +183,9 @@ def summarize(layers: dict[str, tuple[tuple[str, ...], Any]],
   groups = {}  # (module path, kind) -> [factors, stacks, leaves]
   for path, block in layers.values():
     kind, factors, stacks = _kind_and_factors(block)
-    if factor_rank is not None and kind not in blocks.SERIES_OPTIONS:
+    if kind not in blocks.SERIES_OPTIONS:
       factors = tuple(f._replace(rank=factor_rank)
-                      if not f.diagonal and f.size > factor_rank else f
+                      if not f.diagonal and low_rank.applies(f.size, factor_rank) else f
                       for f in factors)
     groups[path, kind] = [factors, stacks, [path + (n,) for n in block.param_names]]
   owned = {leaf for _, _, leaves in groups.values() for leaf in leaves}
