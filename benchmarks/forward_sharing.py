@@ -59,7 +59,7 @@ def is_forward(op_name):
 def programs(workload, stats_update_period):
   """``{name: (function, args)}``: user gradient, K-FAC update, whole step."""
   batch = workload.batch(np.arange(workload.batch_size))
-  params = workload.model.init(jax.random.key(0), workload.inputs(batch))["params"]
+  params, _ = harness.initial_variables(workload, 0)
   tx = harness.kfac_optax_tx(workload, batch, learning_rate=0.1, damping=1.0,
                              stats_update_period=stats_update_period)
   state, rng = tx.init(params), jax.random.key(1)

@@ -921,8 +921,9 @@ def parse_settings(text):
 
 
 def initial_variables(workload: Workload, seed: int):
-  """``(params, model_state)``: the model's initial variables, split."""
-  variables = dict(workload.model.init(
+  """``(params, model_state)``: the model's initial variables, split
+  (`init` jitted: one compile instead of one per initializer op)."""
+  variables = dict(jax.jit(workload.model.init)(
       jax.random.key(seed),
       workload.inputs(workload.batch(np.arange(workload.batch_size)))))
   params = variables.pop("params")

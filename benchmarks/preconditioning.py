@@ -46,7 +46,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   workload = autoencoder.workload()
   batch = workload.batch(np.arange(workload.batch_size))
-  params = workload.model.init(jax.random.key(0), workload.inputs(batch))["params"]
+  params, _ = harness.initial_variables(workload, 0)
   grads = jax.tree.map(lambda p: 1e-2 * jax.random.normal(jax.random.key(1), p.shape),
                        params)
   timed = {rank: preconditioner(workload, batch, params, grads, rank)

@@ -143,9 +143,7 @@ def hlo_lines(workload, contender, params, batches):
 
 
 def profile(workload, settings, inverse_period, steps, profile_steps):
-  params = workload.model.init(
-      jax.random.key(0),
-      workload.inputs(workload.batch(np.arange(workload.batch_size))))["params"]
+  params, _ = harness.initial_variables(workload, 0)
   batches = harness.Batches(workload, seed=0)
   contenders = variants(workload, settings, inverse_period)
   with harness.single_threaded_lapack():
