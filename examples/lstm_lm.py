@@ -75,6 +75,8 @@ def parse_args(argv=None):
   parser.add_argument("--kfac-lr", type=float, default=0.03)
   parser.add_argument("--kfac-damping", type=float, default=1e-2)
   parser.add_argument("--kfac-momentum", type=float, default=0.9)
+  parser.add_argument("--kfac-stats-period", type=int, default=1,
+                      help="update K-FAC's statistics every this many steps")
   parser.add_argument("--kfac-inverse-period", type=int, default=5)
   parser.add_argument("--eval-windows", type=int, default=512,
                       help="evaluation windows per split")
@@ -107,7 +109,10 @@ def main(argv=None):
     its ``learning_rate``), each with
     ``validation_loss`` (nats per character), ``last_batch_loss``,
     ``ms_per_step`` (median, compilation excluded) and ``seconds`` (all
-    steps but the first); plus ``initial_loss`` (log vocab).
+    steps but the first); the K-FAC options also
+    ``time_to_adam_final_loss_vs_adam`` (seconds to the best Adam's final
+    smoothed training loss over Adam's; inf if never); plus
+    ``initial_loss`` (log vocab).
   """
   args = parse_args(argv)
   text, description = transformer_lm.load_text()
@@ -125,7 +130,8 @@ def main(argv=None):
       option: kfac_optax.kfac(
           model.apply, loss, example_batch=example_batch,
           learning_rate=args.kfac_lr, momentum=args.kfac_momentum,
-          damping=args.kfac_damping, inverse_update_period=args.kfac_inverse_period,
+          damping=args.kfac_damping, stats_update_period=args.kfac_stats_period,
+          inverse_update_period=args.kfac_inverse_period,
           layer_overrides={"lstm/*": option})
       for option in args.options}
   optimizers.update({f"adam {lr:g}": optax.adam(lr) for lr in args.adam_lrs})
@@ -159,6 +165,18 @@ def main(argv=None):
     print(f"{name:>16} {m['last_batch_loss']:13.4f} {m['validation_loss']:8.4f} "
           f"{m['ms_per_step']:7.1f} {m['seconds']:7.1f}{mark}")
   shown = [*args.options, adam]
+  target, reached = mlp_classifier.time_to_reference_loss(
+      {n: curves[n] for n in shown}, adam)
+  adam_steps, adam_s = reached[adam]
+  print(f"The best Adam's final training loss {target:.4f} (trailing mean of "
+        f"{mlp_classifier.SMOOTHING} batches): Adam first at step {adam_steps} "
+        f"in {adam_s:.2f} s")
+  for name in args.options:
+    steps, seconds = reached[name]
+    ratio = math.inf if seconds is None else seconds / adam_s
+    results[name]["time_to_adam_final_loss_vs_adam"] = ratio
+    print(f"{name:>16}: " + ("never" if seconds is None else
+                             f"at step {steps} in {seconds:.2f} s ({ratio:.2f}x)"))
   mlp_classifier.save_plot(args.plot, {n: curves[n] for n in shown},
                            f"LSTM character LM on pydoc topics ({args.steps} steps)")
   print(f"loss curves saved to {args.plot}")

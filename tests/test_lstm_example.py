@@ -13,6 +13,7 @@ def test_lstm_lm_quick_run(tmp_path):
   metrics = lstm_lm.main(["--quick", "--plot", str(plot)])
   assert plot.is_file() and plot.stat().st_size > 0
   assert set(metrics) == {"series_option2", "adam", "initial_loss"}
+  assert metrics["series_option2"].pop("time_to_adam_final_loss_vs_adam") > 0
   for name in ("series_option2", "adam"):
     for key, value in metrics[name].items():
       assert math.isfinite(value), (name, key, value)
