@@ -165,18 +165,9 @@ def main(argv=None):
     print(f"{name:>16} {m['last_batch_loss']:13.4f} {m['validation_loss']:8.4f} "
           f"{m['ms_per_step']:7.1f} {m['seconds']:7.1f}{mark}")
   shown = [*args.options, adam]
-  target, reached = mlp_classifier.time_to_reference_loss(
-      {n: curves[n] for n in shown}, adam)
-  adam_steps, adam_s = reached[adam]
-  print(f"The best Adam's final training loss {target:.4f} (trailing mean of "
-        f"{mlp_classifier.SMOOTHING} batches): Adam first at step {adam_steps} "
-        f"in {adam_s:.2f} s")
-  for name in args.options:
-    steps, seconds = reached[name]
-    ratio = math.inf if seconds is None else seconds / adam_s
+  ratios = mlp_classifier.report_time_to_reference_loss(curves, adam, args.options)
+  for name, ratio in ratios.items():
     results[name]["time_to_adam_final_loss_vs_adam"] = ratio
-    print(f"{name:>16}: " + ("never" if seconds is None else
-                             f"at step {steps} in {seconds:.2f} s ({ratio:.2f}x)"))
   mlp_classifier.save_plot(args.plot, {n: curves[n] for n in shown},
                            f"LSTM character LM on pydoc topics ({args.steps} steps)")
   print(f"loss curves saved to {args.plot}")

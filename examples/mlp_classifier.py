@@ -356,6 +356,28 @@ def time_to_reference_loss(curves, reference, window=SMOOTHING):
       for name, (losses, seconds) in curves.items()}
 
 
+def report_time_to_reference_loss(curves, reference, names):
+  """Prints how soon each of ``names`` reached the ``reference`` run's final
+  loss (`time_to_reference_loss`) against the reference's own time.
+
+  Returns:
+    ``{name: its seconds / the reference's seconds}``, inf where never.
+  """
+  target, reached = time_to_reference_loss(curves, reference)
+  reference_steps, reference_s = reached[reference]
+  print(f"{reference}'s final training loss {target:.4f} (trailing mean of "
+        f"{SMOOTHING} batches), first reached by {reference} at step "
+        f"{reference_steps} in {reference_s:.2f} s")
+  ratios = {}
+  for name in names:
+    steps, seconds = reached[name]
+    ratios[name] = math.inf if seconds is None else seconds / reference_s
+    print(f"  by {name}: " + ("never" if seconds is None else
+                              f"at step {steps} in {seconds:.2f} s "
+                              f"({ratios[name]:.2f}x {reference}'s time)"))
+  return ratios
+
+
 def save_plot(path, curves, title, window=SMOOTHING):
   """Saves the training-loss curves ``{label: (losses, step seconds)}`` (log
   y) against steps and against seconds (compilation excluded) to ``path``."""
@@ -441,19 +463,12 @@ def main(argv=None):
     print(f"{name:>6} {m['train_loss']:10.4f} {m['train_accuracy']:9.2%} "
           f"{m['test_loss']:9.4f} {m['test_accuracy']:8.2%} "
           f"{m['seconds']:6.1f}s")
-  target, reached = time_to_reference_loss(curves, "Adam")
-  (kfac_steps, kfac_s), (adam_steps, adam_s) = reached["K-FAC"], reached["Adam"]
   step_ratio = results["kfac"]["ms_per_step"] / results["adam"]["ms_per_step"]
   print(f"Mean step (compilation excluded): K-FAC "
         f"{results['kfac']['ms_per_step']:.1f} ms, Adam "
         f"{results['adam']['ms_per_step']:.1f} ms ({step_ratio:.2f}x).")
-  print(f"Adam's final training loss {target:.4f} (trailing mean of "
-        f"{SMOOTHING} batches), first reached by Adam at step {adam_steps} "
-        f"in {adam_s:.2f} s; by K-FAC " + (
-            f"at step {kfac_steps} in {kfac_s:.2f} s ({kfac_s / adam_s:.2f}x "
-            "Adam's time)." if kfac_s is not None else "never."))
-  results["kfac"]["time_to_adam_final_loss_vs_adam"] = (
-      kfac_s / adam_s if kfac_s is not None else math.inf)
+  results["kfac"]["time_to_adam_final_loss_vs_adam"] = report_time_to_reference_loss(
+      curves, "Adam", ["K-FAC"])["K-FAC"]
   save_plot(args.plot, curves, f"MLP ({args.api}) on {description}")
   print(f"loss curves saved to {args.plot}")
   return results
