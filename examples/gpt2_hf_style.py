@@ -20,8 +20,8 @@ no ``transformers`` install is needed:
 The text is CPython's pydoc help topics (see ``transformer_lm.py``): a
 character-level model, every position a loss term. Both optimizers start
 from the same parameters and see the same windows, side by side (a step of
-each in turn). The script prints the
-K-FAC blocks found, the loss every few steps, and the final losses.
+each in turn). The script prints the K-FAC blocks found, the loss every few
+steps, and the final losses.
 ``--compare-fallback`` adds K-FAC with the projections on the diagonal
 block, which is what they get without ``register_layer``.
 

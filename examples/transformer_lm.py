@@ -22,11 +22,11 @@ Both optimizers start from the same parameters and see the same windows in
 the same order (random start offsets, drawn without replacement from a seeded
 permutation), side by side (a step of each in turn, as in
 ``mlp_classifier.py``); K-FAC also gets a fresh random key per step to
-sample targets from the model for its Fisher estimate. At the end the script prints loss and
-bits per character on the training and validation text, the time per step and
-how long K-FAC took to reach Adam's final training loss against Adam's own
-time, and saves both training-loss curves (against steps and seconds) to a
-PNG.
+sample targets from the model for its Fisher estimate. At the end the script
+prints loss and bits per character on the training and validation text, the
+time per step and how long K-FAC took to reach Adam's final training loss
+against Adam's own time, and saves both training-loss curves (against steps
+and seconds) to a PNG.
 
 K-FAC runs with the README's recommended settings for wall-clock speed:
 learning rate and damping 1e-3, statistics every 10 steps, inverses every
@@ -240,7 +240,8 @@ def main(argv=None):
     (loss of the first mini-batch), ``ms_per_step`` (median step time,
     compilation excluded), ``compile_seconds`` (first step) and
     ``seconds`` (all its steps); K-FAC's also
-    ``time_to_adam_final_loss_vs_adam`` (`mlp_classifier.report_time_to_reference_loss`).
+    ``time_to_adam_final_loss_vs_adam``
+    (`mlp_classifier.report_time_to_reference_loss`).
   """
   args = parse_args(argv)
   text, description = load_text()
