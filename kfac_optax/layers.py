@@ -35,14 +35,23 @@ class Kind:
       the layer's input (default: the first argument).
     extra_methods: other methods whose calls are captured too (input: their
       first argument), for blocks that use the parameters there as well.
+    captures: ``module -> bool``, False for a configuration the layout
+      cannot express (the module's params then get the diagonal fallback).
   """
   layout: Callable[[nn.Module, Any, Any], Any]
   captured_input: Callable[..., Any] = _first_argument
   extra_methods: tuple[str, ...] = ()
+  captures: Callable[[Any], bool] = lambda module: True
 
 
 def _as_tuple(value) -> tuple:
   return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _per_axis(value, rank: int) -> tuple:
+  """A conv's strides or dilation, None, an int or one per spatial axis."""
+  return (1,) * rank if value is None else (
+      (value,) * rank if isinstance(value, int) else tuple(value))
 
 
 def _dense(module, x, y):
@@ -77,25 +86,17 @@ def _nnx_linear_general(module, x, y):
 _PRE_PADDING = {"CIRCULAR": "wrap", "REFLECT": "reflect", "CAUSAL": "causal"}
 
 
-def _conv(module, x, y):
-  del y
-  return _conv_layout(module, x, module.features)
-
-
-def _nnx_conv(module, x, y):
-  del y
-  return _conv_layout(module, x, module.out_features)
+def _linen_and_nnx(layout_with_width):
+  """The linen and NNX layout functions of ``layout_with_width(module, x,
+  width)``: linen names the output width ``features``, NNX ``out_features``;
+  the two APIs share every other configuration name of these layers."""
+  return (lambda module, x, y: layout_with_width(module, x, module.features),
+          lambda module, x, y: layout_with_width(module, x, module.out_features))
 
 
 def _conv_layout(module, x, features):
-  """linen's and NNX's Conv share every other configuration name."""
   kernel_size = _as_tuple(module.kernel_size)
   rank = len(kernel_size)
-
-  def per_axis(value):
-    return (1,) * rank if value is None else (
-        (value,) * rank if isinstance(value, int) else tuple(value))
-
   padding = linear.canonicalize_padding(module.padding, rank)
   pre_padding = _PRE_PADDING.get(padding) if isinstance(padding, str) else None
   if pre_padding is not None:
@@ -103,11 +104,56 @@ def _conv_layout(module, x, features):
   elif not isinstance(padding, str):
     padding = tuple((int(lo), int(hi)) for lo, hi in padding)
   return layouts.ConvLayout(
-      kernel_size=kernel_size, strides=per_axis(module.strides),
-      input_dilation=per_axis(module.input_dilation),
-      kernel_dilation=per_axis(module.kernel_dilation),
+      kernel_size=kernel_size, strides=_per_axis(module.strides, rank),
+      input_dilation=_per_axis(module.input_dilation, rank),
+      kernel_dilation=_per_axis(module.kernel_dilation, rank),
       padding=padding, pre_padding=pre_padding, in_channels=x.shape[-1],
       out_channels=features, groups=module.feature_group_count)
+
+
+def _conv_transpose_layout(module, x, features):
+  """flax's ConvTranspose is ``lax.conv_transpose``: a stride-1 convolution
+  of the input dilated by the strides, padded as below."""
+  kernel_size = _as_tuple(module.kernel_size)
+  rank = len(kernel_size)
+  strides = _per_axis(module.strides, rank)
+  kernel_dilation = _per_axis(module.kernel_dilation, rank)
+  padding = linear.canonicalize_padding(module.padding, rank)
+  if isinstance(padding, str):
+    padding = tuple(_conv_transpose_pads(k, s, padding) for k, s in zip(
+        layouts.reach(kernel_size, kernel_dilation), strides))
+  return layouts.ConvLayout(
+      kernel_size=kernel_size, strides=(1,) * rank, input_dilation=strides,
+      kernel_dilation=kernel_dilation,
+      padding=tuple((int(lo), int(hi)) for lo, hi in padding), pre_padding=None,
+      in_channels=x.shape[-1], out_channels=features,
+      kernel_flipped=module.transpose_kernel)
+
+
+def _conv_transpose_pads(kernel: int, stride: int, padding: str) -> tuple[int, int]:
+  """``lax.conv_transpose``'s (front, back) padding of the dilated input
+  along one axis, for a kernel reaching ``kernel`` inputs: ``"SAME"`` makes
+  the output ``stride`` × the input's length, ``"VALID"`` is the full
+  transposed convolution."""
+  if padding == "SAME":
+    total = kernel + stride - 2
+    front = kernel - 1 if stride > kernel - 1 else -(-total // 2)
+  elif padding == "VALID":
+    total = kernel + stride - 2 + max(kernel - stride, 0)
+    front = kernel - 1
+  else:
+    raise ValueError(f"ConvTranspose padding {padding!r} has no K-FAC layout")
+  return front, total - front
+
+
+_conv, _nnx_conv = _linen_and_nnx(_conv_layout)
+_conv_transpose, _nnx_conv_transpose = _linen_and_nnx(_conv_transpose_layout)
+
+
+def _not_circular(module) -> bool:
+  """Circular ConvTranspose sums its output over periods after the
+  convolution, which no convolution layout expresses."""
+  return module.padding != "CIRCULAR"
 
 
 def _embed(module, x, y):
@@ -162,6 +208,7 @@ KINDS: dict[str, Kind] = {
     "dense": Kind(_dense),
     "dense_general": Kind(_dense_general),
     "conv": Kind(_conv),
+    "conv_transpose": Kind(_conv_transpose, captures=_not_circular),
     "embed": Kind(_embed, extra_methods=("attend",)),
     "norm": Kind(_norm, _normalized_input),
 }
@@ -170,6 +217,7 @@ NNX_KINDS: dict[str, Kind] = {
     "dense": KINDS["dense"],
     "dense_general": Kind(_nnx_linear_general),
     "conv": Kind(_nnx_conv),
+    "conv_transpose": Kind(_nnx_conv_transpose, captures=_not_circular),
     "embed": KINDS["embed"],
     "norm": Kind(_norm, _nnx_normalized_input),
 }
@@ -178,6 +226,7 @@ _REGISTRY: dict[type, Kind] = {
     nn.Dense: KINDS["dense"],
     nn.DenseGeneral: KINDS["dense_general"],
     nn.Conv: KINDS["conv"],
+    nn.ConvTranspose: KINDS["conv_transpose"],
     nn.Embed: KINDS["embed"],
     nn.LayerNorm: KINDS["norm"],
     nn.RMSNorm: KINDS["norm"],
@@ -186,6 +235,7 @@ _REGISTRY: dict[type, Kind] = {
     nnx.Linear: NNX_KINDS["dense"],
     nnx.LinearGeneral: NNX_KINDS["dense_general"],
     nnx.Conv: NNX_KINDS["conv"],
+    nnx.ConvTranspose: NNX_KINDS["conv_transpose"],
     nnx.Embed: NNX_KINDS["embed"],
     nnx.LayerNorm: NNX_KINDS["norm"],
     nnx.RMSNorm: NNX_KINDS["norm"],
@@ -194,7 +244,8 @@ _REGISTRY: dict[type, Kind] = {
 }
 
 
-_NAMED_KINDS = ("dense", "dense_general", "conv")  # kinds with a kernel and bias
+_CONV_KINDS = ("conv", "conv_transpose")  # their kernel order is the layout's
+_NAMED_KINDS = ("dense", "dense_general", *_CONV_KINDS)  # kinds with a kernel and bias
 
 
 def register_layer(
@@ -209,10 +260,11 @@ def register_layer(
 
   ``kind`` names the block and says how the layer maps its input to its
   output: ``"dense"`` is ``y = x @ W (+ b)`` over the last axis of ``x``;
-  ``"dense_general"`` and ``"conv"`` read the configuration attributes of
-  ``nn.DenseGeneral`` and ``nn.Conv`` (``features``, ``axis``,
-  ``kernel_size``, ``strides``, ``padding``, ...) from the module, so they fit
-  subclasses and look-alikes of those; ``"embed"`` and ``"norm"`` likewise.
+  ``"dense_general"``, ``"conv"`` and ``"conv_transpose"`` read the
+  configuration attributes of ``nn.DenseGeneral``, ``nn.Conv`` and
+  ``nn.ConvTranspose`` (``features``, ``axis``, ``kernel_size``,
+  ``strides``, ``padding``, ...) from the module, so they fit subclasses and
+  look-alikes of those; ``"embed"`` and ``"norm"`` likewise.
   For an ``nnx.Module`` class they read NNX's names (``nnx.LinearGeneral``'s
   ``out_features``, ``axis``, ``batch_axis``; ``nnx.Conv``'s
   ``out_features``, ...).
@@ -230,18 +282,18 @@ def register_layer(
     module_class: a flax ``nn.Module`` or ``nnx.Module`` subclass whose
       ``__call__`` takes the layer input as its first argument; its
       subclasses are captured too.
-    kind: ``"dense"``, ``"dense_general"``, ``"conv"``, ``"embed"``,
-      ``"norm"``, or a layout function ``(module, layer_input, layer_output)
+    kind: ``"dense"``, ``"dense_general"``, ``"conv"``,
+      ``"conv_transpose"``, ``"embed"``, ``"norm"``, or a layout function ``(module, layer_input, layer_output)
       -> layout`` returning a `kfac_optax.layouts.DenseLayout` (e.g.
       ``layouts.dense(d_in, d_out, kernel_order="out_in")``) or
       `kfac_optax.layouts.ConvLayout`, which carries the param names and
       kernel order itself.
     kernel: the name of the kernel param (``"dense"``, ``"dense_general"``,
-      ``"conv"``).
+      ``"conv"``, ``"conv_transpose"``).
     bias: the name of the bias param, used when the layer has it; None for
       a layer whose params include no bias.
-    kernel_layout: ``"in_out"`` (flax's ``(*in, *out)``; for ``"conv"``
-      flax's ``(*kernel_size, in / groups, out)``) or ``"out_in"`` (the
+    kernel_layout: ``"in_out"`` (flax's ``(*in, *out)``; for the conv
+      kinds flax's, e.g. ``(*kernel_size, in / groups, out)``) or ``"out_in"`` (the
       feature axes swapped: ``"dense"`` and ``"dense_general"`` only).
 
   Raises:
@@ -277,7 +329,7 @@ def register_layer(
   if kind not in kinds:
     raise ValueError(f"register_layer: unknown kind {kind!r}; built-in kinds: "
                      f"{sorted(kinds)}, or pass a layout function")
-  orders = layouts.KERNEL_ORDERS if kind != "conv" else ("in_out",)
+  orders = layouts.KERNEL_ORDERS if kind not in _CONV_KINDS else ("in_out",)
   if kernel_layout not in orders:
     raise ValueError(f"register_layer: kernel_layout={kernel_layout!r} is not one "
                      f"of {orders} for kind {kind!r}")
@@ -287,7 +339,7 @@ def register_layer(
   found = kinds[kind]
   if custom:
     names = {"kernel_name": kernel, "bias_name": bias}
-    if kind != "conv":
+    if kind not in _CONV_KINDS:
       names["kernel_order"] = kernel_layout
     layout_of = found.layout
     found = dataclasses.replace(found, layout=lambda module, x, y: dataclasses.replace(
@@ -299,5 +351,6 @@ def kind_of(module: "nn.Module | nnx.Module") -> Kind | None:
   """The layer kind of a flax module instance, or None if it is not captured."""
   for cls in type(module).__mro__:
     if cls in _REGISTRY:
-      return _REGISTRY[cls]
+      kind = _REGISTRY[cls]
+      return kind if kind.captures(module) else None
   return None

@@ -31,7 +31,7 @@ def _size(shape) -> int:
   return int(math.prod(shape))
 
 
-def _reach(kernel_size, kernel_dilation) -> list[int]:
+def reach(kernel_size, kernel_dilation) -> list[int]:
   """The input extent of a dilated kernel, per spatial axis."""
   return [(k - 1) * d + 1 for k, d in zip(kernel_size, kernel_dilation)]
 
@@ -153,6 +153,10 @@ class ConvLayout:
     groups: ``feature_group_count``.
     kernel_name: the layer's kernel param, shaped like flax's
       ``(*kernel_size, in_channels / groups, out_channels)``.
+    kernel_flipped: the kernel param is stored as ``lax.conv_transpose``
+      takes it with ``transpose_kernel=True``: ``(*kernel_size,
+      out_channels, in_channels)``, convolved flipped along every spatial
+      axis and with its two channel axes swapped (``groups`` 1).
     bias_name: the layer's bias param (used when the layer has one), or None.
   """
 
@@ -167,6 +171,7 @@ class ConvLayout:
   groups: int = 1
   kernel_name: str = "kernel"
   bias_name: str | None = "bias"
+  kernel_flipped: bool = False
   expands_input = True  # patches are ~prod(kernel_size) x the input: chunk them
 
   @property
@@ -182,7 +187,7 @@ class ConvLayout:
     return self.out_channels // self.groups
 
   def _padded(self, x: jax.Array) -> jax.Array:
-    dilated = _reach(self.kernel_size, self.kernel_dilation)
+    dilated = reach(self.kernel_size, self.kernel_dilation)
     if self.pre_padding == "causal":
       pads = [(dilated[0] - 1, 0)]
     else:
@@ -201,7 +206,7 @@ class ConvLayout:
     padding = "VALID" if self.pre_padding is not None else self.padding
     if isinstance(padding, str):  # lax allows string padding only undilated
       padding = jax.lax.padtype_to_pads(
-          x.shape[1:-1], _reach(self.kernel_size, self.kernel_dilation), self.strides, padding)
+          x.shape[1:-1], reach(self.kernel_size, self.kernel_dilation), self.strides, padding)
     return jax.lax.pad(x, jnp.zeros((), x.dtype), [
         (0, 0, 0), *[(lo, hi, d - 1) for (lo, hi), d in zip(padding, self.input_dilation)],
         (0, 0, 0)])
@@ -220,7 +225,7 @@ class ConvLayout:
     kernel = [k if s else 1 for k, s in zip(self.kernel_size, spatial)]
     dilation = [d if s else 1 for d, s in zip(self.kernel_dilation, spatial)]
     strides = [t if s else 1 for t, s in zip(self.strides, spatial)]
-    outputs = [(n - k) // s + 1 for n, k, s in zip(padded.shape[1:-1], _reach(kernel, dilation),
+    outputs = [(n - k) // s + 1 for n, k, s in zip(padded.shape[1:-1], reach(kernel, dilation),
                                                     strides)]
     taps = []  # one strided slice per kernel offset, in the kernel's order
     for offset in itertools.product(*map(range, kernel)):
@@ -243,18 +248,27 @@ class ConvLayout:
 
   @property
   def kernel_shape(self) -> tuple[int, ...]:
-    return (*self.kernel_size, self.in_channels // self.groups, self.out_channels)
+    channels = (self.in_channels // self.groups, self.out_channels)
+    return (*self.kernel_size, *(channels[::-1] if self.kernel_flipped else channels))
 
   @property
   def bias_shape(self) -> tuple[int, ...]:
     return (self.out_channels,)
 
+  def _stored_or_applied(self, kernel: jax.Array) -> jax.Array:
+    """The applied kernel of a stored one, or the stored kernel of an applied
+    one: flipping and swapping the channel axes is its own inverse."""
+    if not self.kernel_flipped:
+      return kernel
+    return jnp.swapaxes(jnp.flip(kernel, range(len(self.kernel_size))), -1, -2)
+
   def kernel_matrix(self, kernel: jax.Array) -> jax.Array:
-    kernel = kernel.reshape(self.in_dim, self.groups, self.out_dim)
+    kernel = self._stored_or_applied(kernel).reshape(self.in_dim, self.groups, self.out_dim)
     return jnp.swapaxes(kernel, 0, 1)
 
   def kernel_from_matrix(self, matrix: jax.Array) -> jax.Array:
-    return jnp.swapaxes(matrix, 0, 1).reshape(self.kernel_shape)
+    return self._stored_or_applied(jnp.swapaxes(matrix, 0, 1).reshape(
+        *self.kernel_size, self.in_channels // self.groups, self.out_channels))
 
   def bias_matrix(self, bias: jax.Array) -> jax.Array:
     return bias.reshape(self.groups, self.out_dim)

@@ -18,6 +18,7 @@ of their model (`tests/nnx_twins.py`) against the same reference.
 
 import dataclasses
 import functools
+import itertools
 from typing import Any, NamedTuple
 
 from flax import nnx
@@ -136,7 +137,8 @@ def assert_block(state_factors, update, expected_factors, expected_update):
 # Branch models: each branch x_i -> layer_i -> tanh -> flatten; the branches
 # are concatenated into one Dense(classes) head.
 
-LAYER_TYPES = {"conv": nn.Conv, "dense_general": nn.DenseGeneral}
+LAYER_TYPES = {"conv": nn.Conv, "conv_transpose": nn.ConvTranspose,
+               "dense_general": nn.DenseGeneral}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,8 +190,9 @@ def nnx_layer(b: Branch, rngs: nnx.Rngs) -> nnx.Module:
   kwargs = dict(b.kwargs)
   features = kwargs.pop("features")
   shape = np.moveaxis(np.empty(b.x_shape), 0, b.lead).shape  # as the layer sees it
-  if b.kind == "conv":
-    return nnx.Conv(shape[-1], features, rngs=rngs, **kwargs)
+  if b.kind in ("conv", "conv_transpose"):
+    layer = nnx.Conv if b.kind == "conv" else nnx.ConvTranspose
+    return layer(shape[-1], features, rngs=rngs, **kwargs)
   ndim = len(shape)
   axis = kwargs.pop("axis", -1)
   axis = sorted(a % ndim for a in (axis if isinstance(axis, tuple) else (axis,)))
@@ -368,6 +371,15 @@ CONV_BRANCHES = (
     # 4-D.
     branch("c4_valid_strides", "conv", (BATCH, 3, 3, 2, 3, 2),
            features=2, kernel_size=(2, 2, 1, 2), padding="VALID", strides=(1, 2, 1, 1)),
+    # nn.ConvTranspose: the input dilated by the strides, then convolved.
+    branch("t1_same_stride2", "conv_transpose", (BATCH, 4, 2),
+           features=3, kernel_size=(3,), strides=(2,), padding="SAME"),
+    branch("t2_valid_kdil_nobias", "conv_transpose", (BATCH, 3, 4, 2),
+           features=2, kernel_size=(2, 3), strides=(2, 1), padding="VALID",
+           kernel_dilation=(1, 2), use_bias=False),
+    branch("t2_explicit_transpose_kernel", "conv_transpose", (BATCH, 3, 3, 2),
+           features=3, kernel_size=(3, 2), strides=(2, 2), padding=((1, 2), (0, 1)),
+           transpose_kernel=True),
 )
 CONV_CASES = {b.name: b for b in CONV_BRANCHES}
 
@@ -398,10 +410,17 @@ def test_conv_matches_brute_force(case, api):
   b = CONV_CASES[case]
   family = run_family(CONV_BRANCHES, api)
   ref, params, grads = family.reference, family.params[b.name], family.grads[b.name]
-  kernel = f64(params["kernel"])
-  groups, c_out = b.layer().feature_group_count, kernel.shape[-1]
+  # lax.conv_transpose(transpose_kernel=True) convolves the stored kernel
+  # flipped along its spatial axes, channel axes swapped: compare in that form.
+  # (The map is its own inverse; it acts on an array's trailing kernel axes.)
+  layer, rank = b.layer(), params["kernel"].ndim
+  applied = ((lambda k: np.swapaxes(np.flip(k, range(k.ndim - rank, k.ndim - 2)), -1, -2))
+             if getattr(layer, "transpose_kernel", False) else (lambda k: k))
+  kernel = applied(f64(params["kernel"]))
+  groups, c_out = getattr(layer, "feature_group_count", 1), kernel.shape[-1]
   in_dim = kernel[..., 0].size
-  patches = conv_patches(ref.jacobians[b.name], kernel.shape, groups)
+  jacobian = applied(f64(ref.jacobians[b.name]))  # ∂y/∂kernel: (*y, *kernel)
+  patches = conv_patches(jacobian, kernel.shape, groups)
   outputs = ref.outputs[b.name]
   assert patches.shape == (groups, outputs[..., 0].size, in_dim)
 
@@ -414,9 +433,10 @@ def test_conv_matches_brute_force(case, api):
 
   a, g, u_kernel, u_bias = kronecker_reference(
       patches, group_columns(ref.output_grads[b.name].reshape(-1, c_out), groups),
-      BATCH, group_columns(f64(grads["kernel"]).reshape(in_dim, c_out), groups),
+      BATCH, group_columns(applied(f64(grads["kernel"])).reshape(in_dim, c_out), groups),
       group_columns(f64(grads["bias"]), groups) if b.has_bias else None)
-  expected = {"kernel": np.concatenate(list(u_kernel), axis=-1).reshape(kernel.shape)}
+  expected = {"kernel": applied(
+      np.concatenate(list(u_kernel), axis=-1).reshape(kernel.shape))}
   if b.has_bias:
     expected["bias"] = np.concatenate(list(u_bias))
 
@@ -429,6 +449,34 @@ def test_conv_matches_brute_force(case, api):
 @pytest.mark.parametrize("api", APIS)
 def test_conv_family_head_matches_brute_force(api):
   check_head(run_family(CONV_BRANCHES, api), CONV_BRANCHES)
+
+
+def test_conv_transpose_rows_reproduce_flax_for_every_padding_and_stride():
+  """The layout's patch rows times its kernel matrix are flax's output, for
+  kernels reaching more or fewer inputs than the stride (where SAME pads
+  differently) and both kernel storages."""
+  rng = np.random.default_rng(0)
+  configs = [((3,), stride, padding, dilation, stride == 2) for stride, padding, dilation
+             in itertools.product((1, 2, 4), ("SAME", "VALID"), (1, 2))]
+  configs.append(((2, 3), 2, 1, 1, True))  # 2-D, explicit padding
+  for kernel_size, stride, padding, dilation, transpose_kernel in configs:
+    rank = len(kernel_size)
+    layer = nn.ConvTranspose(3, kernel_size, strides=(stride,) * rank, padding=padding,
+                             kernel_dilation=(dilation,) * rank,
+                             transpose_kernel=transpose_kernel)
+    x = jnp.asarray(rng.normal(size=(2, *(4,) * rank, 2)), jnp.float32)
+    variables = layer.init(jax.random.key(0), x)
+    y = layer.apply(variables, x)
+    layout = kfac_optax.layers.kind_of(layer).layout(layer, x, y)
+    params = variables["params"]
+    assert layout.kernel_shape == params["kernel"].shape
+    rows = layout.input_rows(x)[0] @ layout.kernel_matrix(params["kernel"])[0]
+    np.testing.assert_allclose(rows + params["bias"], y.reshape(-1, 3), atol=1e-5,
+                               err_msg=str((kernel_size, stride, padding, dilation,
+                                            transpose_kernel)))
+    np.testing.assert_array_equal(
+        layout.kernel_from_matrix(layout.kernel_matrix(params["kernel"])),
+        params["kernel"])
 
 
 # --------------------------------------------------------------------------
@@ -746,18 +794,21 @@ def test_attention_projections_are_found_and_match_brute_force(api):
 
 
 # --------------------------------------------------------------------------
-# 5. Unregistered layers (ConvTranspose, ConvLocal): the diagonal fallback.
+# 5. Layers without a Kronecker block (ConvLocal; a circular ConvTranspose,
+#    which sums its output over periods after convolving): the diagonal
+#    fallback.
 
 
 class UnregisteredNet(nn.Module):
   @nn.compact
   def __call__(self, x):
-    h = jnp.tanh(nn.ConvTranspose(2, (3,), strides=(2,), name="transpose")(x))
+    h = jnp.tanh(nn.ConvTranspose(2, (3,), strides=(2,), padding="CIRCULAR",
+                                  name="transpose")(x))
     h = jnp.tanh(nn.ConvLocal(2, (2,), padding="VALID", name="local")(h))
     return nn.Dense(CLASSES, name="head")(h.reshape(x.shape[0], -1))
 
 
-def test_conv_transpose_and_conv_local_use_the_diagonal_block():
+def test_circular_conv_transpose_and_conv_local_use_the_diagonal_block():
   x = jnp.asarray(np.random.default_rng(0).normal(size=(BATCH, 4, 2)), jnp.float32)
   y = labels(1)
   model = UnregisteredNet()

@@ -287,8 +287,9 @@ def test_wrong_tied_embeddings_are_init_errors(tied, message):
      "register_layer's module_class must be a flax nn.Module or nnx.Module "
      "subclass (the class, not an instance), got FlaxConv1D("),
     ((Conv1D, "linear"), {}, ValueError,
-     "register_layer: unknown kind 'linear'; built-in kinds: ['conv', 'dense', "
-     "'dense_general', 'embed', 'norm'], or pass a layout function"),
+     "register_layer: unknown kind 'linear'; built-in kinds: ['conv', "
+     "'conv_transpose', 'dense', 'dense_general', 'embed', 'norm'], or pass a "
+     "layout function"),
     ((Conv1D, "dense"), {"kernel_layout": "io"}, ValueError,
      "register_layer: kernel_layout='io' is not one of ('in_out', 'out_in') for "
      "kind 'dense'"),
@@ -296,7 +297,7 @@ def test_wrong_tied_embeddings_are_init_errors(tied, message):
      "register_layer: kernel_layout='out_in' is not one of ('in_out',) for kind 'conv'"),
     ((Conv1D, "embed"), {"kernel": "table"}, ValueError,
      "register_layer: kernel=, bias= and kernel_layout= apply to the kinds "
-     "('dense', 'dense_general', 'conv'), not 'embed'"),
+     "('dense', 'dense_general', 'conv', 'conv_transpose'), not 'embed'"),
     ((Conv1D, conv1d_layout), {"bias": None}, ValueError,
      "register_layer: kernel=, bias= and kernel_layout= go with a kind name; a "
      "layout function sets them on the layout it returns"),
