@@ -97,6 +97,9 @@ class _Interceptor:
 
   def _intercept(self, next_fun, args, kwargs, context):
     module, method = context.module, context.method_name
+    run_instead = layers.stand_in(module)
+    if run_instead is not None and method == CALL:  # its layers are hooked in turn
+      return run_instead(module, *args, **kwargs)
     kind = layers.kind_of(module)
     if self.busy or kind is None or method not in (CALL, *kind.extra_methods):
       return next_fun(*args, **kwargs)

@@ -347,6 +347,24 @@ def register_layer(
   _REGISTRY[module_class] = found
 
 
+# Linen modules whose own code hides their layers from the hooks, and a
+# function that computes the same with captured layers, run in K-FAC's own
+# passes in their place (``(module, *args, **kwargs) -> output``, the module
+# as ``self``). nn.OptimizedLSTMCell concatenates its eight gate kernels into
+# two matmuls; nn.LSTMCell's code makes one nn.Dense per gate, at the paths
+# and with the params the optimized cell names the same way.
+_STAND_INS: dict[type, Callable[..., Any]] = {
+    nn.OptimizedLSTMCell: nn.LSTMCell.__call__.__wrapped__,
+}
+
+
+def stand_in(module: nn.Module) -> Callable[..., Any] | None:
+  """The function K-FAC runs for a linen module's ``__call__`` in its own
+  passes, where the module's code hides its layers (None: its own)."""
+  return next((_STAND_INS[cls] for cls in type(module).__mro__ if cls in _STAND_INS),
+              None)
+
+
 def kind_of(module: "nn.Module | nnx.Module") -> Kind | None:
   """The layer kind of a flax module instance, or None if it is not captured."""
   for cls in type(module).__mro__:

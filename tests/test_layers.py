@@ -832,6 +832,36 @@ def test_circular_conv_transpose_and_conv_local_use_the_diagonal_block():
     assert bf.relative_error(out[layer][leaf], expected) < 1e-3
 
 
+class RecurrentNet(nn.Module):
+  cell: type
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.RNN(self.cell(4, name="cell"), name="rnn",
+               variable_axes={"kfac_inputs": 0, "kfac_perturbations": 0})(x)
+    return nn.Dense(CLASSES, name="head")(h[:, -1])
+
+
+def test_optimized_lstm_cell_gets_the_blocks_of_lstm_cell():
+  """nn.OptimizedLSTMCell multiplies its gate kernels concatenated, out of
+  the hooks' reach; K-FAC runs it as nn.LSTMCell (the same function and
+  param names, one nn.Dense per gate): its factors and update are those of
+  the LSTMCell model with the same params, to float32 round-off."""
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(BATCH, 3, 2)), jnp.float32)
+  batch = (x, labels(1))
+  params = random_params(RecurrentNet(nn.LSTMCell), x, seed=2)
+  grads = random_tree(params, seed=3)
+  optimized, plain = RecurrentNet(nn.OptimizedLSTMCell), RecurrentNet(nn.LSTMCell)
+  np.testing.assert_allclose(optimized.apply({"params": params}, x),
+                             plain.apply({"params": params}, x), rtol=1e-6)
+  out, state = kfac_step(optimized.apply, params, batch, grads)
+  expected_out, expected_state = kfac_step(plain.apply, params, batch, grads)
+  assert set(state.factors) == {"head"} | {f"cell/{g}" for g in (
+      "ii", "if", "ig", "io", "hi", "hf", "hg", "ho")}
+  assert bf.relative_error(state.factors, expected_state.factors) < 1e-5
+  assert bf.relative_error(out, expected_out) < 1e-5
+
+
 # --------------------------------------------------------------------------
 # 6. register_layer: a user module gets a Kronecker block.
 
