@@ -231,6 +231,7 @@ _REGISTRY: dict[type, Kind] = {
     nn.LayerNorm: KINDS["norm"],
     nn.RMSNorm: KINDS["norm"],
     nn.GroupNorm: KINDS["norm"],
+    nn.InstanceNorm: KINDS["norm"],
     nn.BatchNorm: KINDS["norm"],
     nnx.Linear: NNX_KINDS["dense"],
     nnx.LinearGeneral: NNX_KINDS["dense_general"],
@@ -240,6 +241,7 @@ _REGISTRY: dict[type, Kind] = {
     nnx.LayerNorm: NNX_KINDS["norm"],
     nnx.RMSNorm: NNX_KINDS["norm"],
     nnx.GroupNorm: NNX_KINDS["norm"],
+    nnx.InstanceNorm: NNX_KINDS["norm"],
     nnx.BatchNorm: NNX_KINDS["norm"],
 }
 

@@ -42,6 +42,7 @@ NORMS = {  # id: (the linen norm, its NNX twin or None where NNX has none)
     "rms": (nn.RMSNorm, lambda rngs: nnx.RMSNorm(4, rngs=rngs)),
     "group": (lambda name: nn.GroupNorm(num_groups=2, name=name),
               lambda rngs: nnx.GroupNorm(4, num_groups=2, rngs=rngs)),
+    "instance": (nn.InstanceNorm, lambda rngs: nnx.InstanceNorm(4, rngs=rngs)),
     # NNX's LayerNorm has one feature axis.
     "layer-two-axes": (lambda name: nn.LayerNorm(
         feature_axes=(-2, -1), reduction_axes=(-2, -1), name=name), None),
