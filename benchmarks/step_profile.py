@@ -22,6 +22,10 @@ Two views of the benchmark's kfac_optax step (same settings):
    XLA:CPU runs convolutions asynchronously in Eigen's thread pool, outside
    the profiled op events, so the convnet's convolutions (forward and both
    backward passes) are all but missing from this view; view 1 includes them.
+   Plain ``dot`` ops (Eigen's matmuls: weight gradients, factor Grams) are
+   undercounted the same way (on the autoencoder a 1.57-GFLOP weight
+   gradient showed 1.0 ms, four times the 2 cores' peak); the ``ynn_fusion``
+   matmuls (YNNPACK) are timed in full.
    On a GPU the view sums the kernel times on the device (cuBLAS, cuDNN and
    Triton matmuls count as matmuls, cuSOLVER as the inverses); the step time
    of view 1 also holds the host's dispatch and any idle device time. Run
@@ -182,7 +186,8 @@ def markdown_section(results, command, date, device=None):
   where, unit, note, ms = (
       (f" on GPU ({device})", "GPU ms/step", "kernel time on the device", ".2f")
       if device else ("", "CPU ms/step", "op time summed over threads; "
-                      "convolutions run outside the profiled events and are missing",
+                      "convolutions and plain dots run outside the profiled "
+                      "events and are missing or undercounted",
                       ".1f"))
   lines = [f"## Where kfac_optax's step time goes{where}", "",
            f"- **Command:** `{command}` ({date}); method: see the docstring of "
