@@ -285,8 +285,9 @@ def register_layer(
       ``__call__`` takes the layer input as its first argument; its
       subclasses are captured too.
     kind: ``"dense"``, ``"dense_general"``, ``"conv"``,
-      ``"conv_transpose"``, ``"embed"``, ``"norm"``, or a layout function ``(module, layer_input, layer_output)
-      -> layout`` returning a `kfac_optax.layouts.DenseLayout` (e.g.
+      ``"conv_transpose"``, ``"embed"``, ``"norm"``, or a layout function
+      ``(module, layer_input, layer_output) -> layout`` returning a
+      `kfac_optax.layouts.DenseLayout` (e.g.
       ``layouts.dense(d_in, d_out, kernel_order="out_in")``) or
       `kfac_optax.layouts.ConvLayout`, which carries the param names and
       kernel order itself.
@@ -295,8 +296,9 @@ def register_layer(
     bias: the name of the bias param, used when the layer has it; None for
       a layer whose params include no bias.
     kernel_layout: ``"in_out"`` (flax's ``(*in, *out)``; for the conv
-      kinds flax's, e.g. ``(*kernel_size, in / groups, out)``) or ``"out_in"`` (the
-      feature axes swapped: ``"dense"`` and ``"dense_general"`` only).
+      kinds flax's, e.g. ``(*kernel_size, in / groups, out)``) or
+      ``"out_in"`` (the feature axes swapped: ``"dense"`` and
+      ``"dense_general"`` only).
 
   Raises:
     TypeError: ``module_class`` is not a flax module class.

@@ -247,9 +247,13 @@ class ConvLayout:
     return jnp.swapaxes(g, 0, 1)
 
   @property
+  def _applied_kernel_shape(self) -> tuple[int, ...]:
+    return (*self.kernel_size, self.in_channels // self.groups, self.out_channels)
+
+  @property
   def kernel_shape(self) -> tuple[int, ...]:
-    channels = (self.in_channels // self.groups, self.out_channels)
-    return (*self.kernel_size, *(channels[::-1] if self.kernel_flipped else channels))
+    *spatial, c_in, c_out = self._applied_kernel_shape
+    return (*spatial, c_out, c_in) if self.kernel_flipped else (*spatial, c_in, c_out)
 
   @property
   def bias_shape(self) -> tuple[int, ...]:
@@ -267,8 +271,8 @@ class ConvLayout:
     return jnp.swapaxes(kernel, 0, 1)
 
   def kernel_from_matrix(self, matrix: jax.Array) -> jax.Array:
-    return self._stored_or_applied(jnp.swapaxes(matrix, 0, 1).reshape(
-        *self.kernel_size, self.in_channels // self.groups, self.out_channels))
+    return self._stored_or_applied(
+        jnp.swapaxes(matrix, 0, 1).reshape(self._applied_kernel_shape))
 
   def bias_matrix(self, bias: jax.Array) -> jax.Array:
     return bias.reshape(self.groups, self.out_dim)

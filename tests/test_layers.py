@@ -139,6 +139,7 @@ def assert_block(state_factors, update, expected_factors, expected_update):
 
 LAYER_TYPES = {"conv": nn.Conv, "conv_transpose": nn.ConvTranspose,
                "dense_general": nn.DenseGeneral}
+NNX_CONV_TYPES = {"conv": nnx.Conv, "conv_transpose": nnx.ConvTranspose}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,9 +191,8 @@ def nnx_layer(b: Branch, rngs: nnx.Rngs) -> nnx.Module:
   kwargs = dict(b.kwargs)
   features = kwargs.pop("features")
   shape = np.moveaxis(np.empty(b.x_shape), 0, b.lead).shape  # as the layer sees it
-  if b.kind in ("conv", "conv_transpose"):
-    layer = nnx.Conv if b.kind == "conv" else nnx.ConvTranspose
-    return layer(shape[-1], features, rngs=rngs, **kwargs)
+  if b.kind in NNX_CONV_TYPES:
+    return NNX_CONV_TYPES[b.kind](shape[-1], features, rngs=rngs, **kwargs)
   ndim = len(shape)
   axis = kwargs.pop("axis", -1)
   axis = sorted(a % ndim for a in (axis if isinstance(axis, tuple) else (axis,)))
