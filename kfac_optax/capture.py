@@ -191,7 +191,7 @@ def hooked_apply(
     apply_fn: Callable[..., Any],
     args: Sequence[Any],
     apply_kwargs: dict[str, Any],
-    mutable: bool | Sequence[str],
+    mutable: bool | Sequence[str] | nn.DenyList,
     interceptor: Callable[..., Any] | None = None,
 ) -> Callable[[Any], tuple[Any, Any]]:
   """``variables -> (outputs, collections)``: the model run under the hooks.
@@ -202,7 +202,7 @@ def hooked_apply(
   if hasattr(apply_fn, "hooked"):
     return apply_fn.hooked(args, apply_kwargs)
   interceptor = interceptor or _Interceptor()
-  mutable = mutable if isinstance(mutable, bool) else list(mutable)
+  mutable = list(mutable) if isinstance(mutable, (list, tuple)) else mutable
 
   def run(variables):
     with nn.intercept_methods(interceptor):
@@ -215,7 +215,7 @@ def discover(
     variables: Any,
     args: Sequence[Any],
     apply_kwargs: dict[str, Any],
-    mutable: bool | Sequence[str] = (),
+    mutable: bool | Sequence[str] | nn.DenyList = (),
 ) -> Discovered:
   """Finds the captured layers by tracing the model abstractly (no FLOPs).
 
@@ -225,13 +225,14 @@ def discover(
     variables: the variables to run with (params and other collections).
     args: positional inputs.
     apply_kwargs: keyword arguments of ``apply_fn``.
-    mutable: collections the model may write besides K-FAC's own; True makes
-      every collection mutable, so missing ones (e.g. batch_stats) get created.
+    mutable: collections the model may write besides K-FAC's own, or a flax
+      collection filter (``True``, ``DenyList("params")``) that lets missing
+      ones (e.g. batch_stats) be created.
   """
   if hasattr(apply_fn, "discover"):  # its own capture (see hooked_apply)
     return apply_fn.discover(variables, args, apply_kwargs)
   found, shapes, param_shapes = {}, {}, {}
-  if not isinstance(mutable, bool):
+  if isinstance(mutable, (list, tuple)):
     mutable = [*mutable, INPUTS, PERTURBATIONS]
   interceptor = _Interceptor(found, shapes, param_shapes)
   # The inputs go through eval_shape as arguments: they may be ShapeDtypeStructs.

@@ -183,16 +183,6 @@ def _check_signature(apply_fn: Callable[..., Any], variables: Any, args: tuple,
         "*inputs, **kwargs).") from error
 
 
-def _is_params_error(error: Exception) -> bool:
-  """Flax's errors for a params tree that does not fit the model: a param
-  missing (with mutable collections flax tries to create it, and lacks a
-  'params' rng) or of another shape."""
-  return (isinstance(error, (flax.errors.ScopeParamNotFoundError,
-                             flax.errors.ScopeParamShapeError))
-          or (isinstance(error, flax.errors.InvalidRngError)
-              and '"params"' in str(error)))
-
-
 def _lifted_axes(inside: tuple, outside: tuple, layer_params: dict,
                  inside_params: dict) -> tuple[tuple, tuple]:
   """``(stack, time)``: the leading axes a lifted transform added to a layer.
@@ -548,6 +538,12 @@ class Curvature:
     """
     args = self._model_args(batch, what)
     call_kwargs = self._call_kwargs(None)
+    if mutable is True:  # the example batch, with no collection but params
+      # flax creates the others, some from a 'params' key (SpectralNorm's
+      # power-iteration vector); params stay read-only, so a missing param
+      # is still flax's error that names it.
+      mutable = flax.core.DenyList("params")
+      call_kwargs["rngs"] = {**call_kwargs["rngs"], "params": jax.random.key(0)}
     variables = {"params": params, **variables}
     _check_signature(self.apply_fn, variables, args, call_kwargs)
     try:
@@ -561,12 +557,11 @@ class Curvature:
             "scale_by_kfac got the whole variables dict as params: pass the "
             "'params' collection, variables['params'] (other collections go "
             "in update(..., variables=...))") from error
-      if _is_params_error(error):
-        missing = (" (a param of that module is missing from params)"
-                   if isinstance(error, flax.errors.InvalidRngError) else "")
+      if isinstance(error, (flax.errors.ScopeParamNotFoundError,
+                            flax.errors.ScopeParamShapeError)):
         raise ValueError(
             f"the params do not match the model that apply_fn runs on {what}: "
-            f"{type(error).__name__}: {error}{missing}\nFix: pass the 'params' "
+            f"{type(error).__name__}: {error}\nFix: pass the 'params' "
             "collection that this model's init returns (model.init(key, "
             "x)['params']), unchanged in structure and shapes; if they are, "
             f"{what}'s inputs have other shapes than the inputs the params "
@@ -637,7 +632,7 @@ class Curvature:
 
   def _example_plan(self, params: Any) -> _Plan:
     # mutable=True lets flax create collections such as batch_stats that the
-    # example batch needs and the caller does not have.
+    # example batch needs and the caller does not have (`_discover`).
     return self._plan(params, self.example_batch, {}, True, "example_batch")
 
   def _max_factor_dim(self) -> int | None:

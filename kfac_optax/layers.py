@@ -369,10 +369,19 @@ def stand_in(module: nn.Module) -> Callable[..., Any] | None:
               None)
 
 
+def _params_as_stored(module: "nn.Module | nnx.Module") -> bool:
+  """False for a linen layer that sees its params through ``nn.map_variables``
+  (``nn.WeightNorm``, ``nn.SpectralNorm``): its input and output gradient
+  give the Fisher of the params as transformed, W / σ(W) say, not of the
+  params that are stored and updated."""
+  steps = getattr(getattr(module, "scope", None), "debug_path", ())
+  return not any(str(step).startswith("map_variables(") for step in steps)
+
+
 def kind_of(module: "nn.Module | nnx.Module") -> Kind | None:
   """The layer kind of a flax module instance, or None if it is not captured."""
   for cls in type(module).__mro__:
     if cls in _REGISTRY:
       kind = _REGISTRY[cls]
-      return kind if kind.captures(module) else None
+      return kind if kind.captures(module) and _params_as_stored(module) else None
   return None

@@ -225,6 +225,8 @@ def warn_if_mostly_fallback(summary: Summary) -> None:
       f"layer block captures them. Largest: {largest}. If these are dense- or "
       "conv-like layers of your own, declare their module class with "
       "kfac_optax.register_layer to give them Kronecker blocks; "
-      "kfac_optax.describe(tx, params) lists every block. Layers meant to "
-      "stay diagonal: layer_overrides={pattern: 'diagonal'} (not counted here).",
+      "kfac_optax.describe(tx, params) lists every block. Layers under "
+      "nn.map_variables (nn.WeightNorm, nn.SpectralNorm) stay there by "
+      "design. Layers meant to stay diagonal: layer_overrides={pattern: "
+      "'diagonal'} (not counted here).",
       FallbackWarning, stacklevel=3)

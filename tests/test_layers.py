@@ -69,17 +69,17 @@ def labels(seed, n=BATCH):
   return jnp.asarray(np.random.default_rng(seed).integers(0, CLASSES, n), jnp.int32)
 
 
-def kfac_step(model, params, batch, grads):
+def kfac_step(model, params, batch, grads, variables=None):
   """One jitted empirical K-FAC update from a fresh state: (updates, state).
 
   ``model`` as `scale_by_kfac` takes it: a linen apply function or an NNX
-  module.
+  module; ``variables``: the model's other collections.
   """
   tx = kfac_optax.scale_by_kfac(
       model, LOSS, example_batch=batch, estimation="empirical",
       inverse_update_period=1, damping=DAMPING)
-  step = jax.jit(lambda g, p, b: tx.update(g, tx.init(p), p, batch=b))
-  return step(grads, params, batch)
+  step = jax.jit(lambda g, p, b, v: tx.update(g, tx.init(p), p, batch=b, variables=v))
+  return step(grads, params, batch, variables)
 
 
 def kronecker_reference(rows, out_grads, num_terms, kernel_grads, bias_grads):
@@ -808,28 +808,63 @@ class UnregisteredNet(nn.Module):
     return nn.Dense(CLASSES, name="head")(h.reshape(x.shape[0], -1))
 
 
-def test_circular_conv_transpose_and_conv_local_use_the_diagonal_block():
-  x = jnp.asarray(np.random.default_rng(0).normal(size=(BATCH, 4, 2)), jnp.float32)
-  y = labels(1)
-  model = UnregisteredNet()
-  params = random_params(model, x, seed=2)
+def assert_diagonal_fallback(model, params, batch, fallback, variables=None):
+  """Every leaf of ``fallback`` (``{key: (layer, leaf)}``) in the diagonal
+  fallback, its Fisher the mean squared per-example gradient and its update
+  the damped diagonal solve; the rest of the net is the "head" block."""
   grads = random_tree(params, seed=3)
-  out, state = kfac_step(model.apply, params, (x, y), grads)
-
-  fallback = {f"{layer}/{leaf}": (layer, leaf)
-              for layer in ("transpose", "local") for leaf in ("kernel", "bias")}
+  out, state = kfac_step(model.apply, params, batch, grads, variables)
   assert set(state.factors) == {"head", DIAGONAL}
   assert set(state.factors[DIAGONAL]) == set(fallback)
 
   def example_loss(p, xn, yn):
-    return summed_nll(model.apply({"params": p}, xn[None]), yn[None])
-  per_example = jax.jit(jax.vmap(jax.grad(example_loss), (None, 0, 0)))(params, x, y)
+    outputs = model.apply({"params": p, **(variables or {})}, xn[None],
+                          mutable=list(variables or ()))[0]
+    return summed_nll(outputs, yn[None])
+  per_example = jax.jit(jax.vmap(jax.grad(example_loss), (None, 0, 0)))(params, *batch)
   for key, (layer, leaf) in fallback.items():
     fisher = f64(per_example[layer][leaf]).sum(axis=0) ** 2 / BATCH
     assert state.factors[DIAGONAL][key].shape == params[layer][leaf].shape
     assert bf.relative_error(state.factors[DIAGONAL][key], fisher) < 1e-4
     expected = f64(grads[layer][leaf]) / (fisher + DAMPING)
     assert bf.relative_error(out[layer][leaf], expected) < 1e-3
+
+
+def test_circular_conv_transpose_and_conv_local_use_the_diagonal_block():
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(BATCH, 4, 2)), jnp.float32)
+  model = UnregisteredNet()
+  params = random_params(model, x, seed=2)
+  assert_diagonal_fallback(
+      model, params, (x, labels(1)),
+      {f"{layer}/{leaf}": (layer, leaf)
+       for layer in ("transpose", "local") for leaf in ("kernel", "bias")})
+
+
+class NormalizedWeightsNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = jnp.tanh(nn.WeightNorm(nn.Dense(3, name="weight_normed"), name="wn")(x))
+    h = jnp.tanh(nn.SpectralNorm(nn.Dense(3, name="spectral"), name="sn")(
+        h, update_stats=True))
+    return nn.Dense(CLASSES, name="head")(h)
+
+
+def test_layers_under_map_variables_use_the_diagonal_block():
+  """nn.WeightNorm and nn.SpectralNorm apply a Dense with W / ‖W‖ or W / σ(W)
+  (nn.map_variables): the Fisher of the stored W is not the Kronecker
+  product of the Dense's input and output-gradient moments, so the Dense
+  and the wrappers' own params go to the diagonal fallback. SpectralNorm's
+  power-iteration vector, created at init from a 'params' key, does not
+  stop init."""
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(BATCH, 5)), jnp.float32)
+  model = NormalizedWeightsNet()
+  params = random_params(model, x, seed=2)
+  batch_stats = model.init(jax.random.key(0), x)["batch_stats"]
+  fallback = {f"{layer}/{leaf}": (layer, leaf)
+              for layer in ("weight_normed", "spectral") for leaf in ("kernel", "bias")}
+  fallback["wn/weight_normed/kernel/scale"] = ("wn", "weight_normed/kernel/scale")
+  assert_diagonal_fallback(model, params, (x, labels(1)), fallback,
+                           {"batch_stats": batch_stats})
 
 
 class RecurrentNet(nn.Module):

@@ -228,7 +228,8 @@ def test_params_of_another_model_are_named():
 def test_missing_params_are_named():
   message = init_error(params={k: v for k, v in PARAMS.items() if k != "out"})
   assert "the params do not match the model" in message
-  assert "(a param of that module is missing from params)" in message
+  assert ('ScopeParamNotFoundError: Could not find parameter named "kernel" in '
+          'scope "/out"') in message
   assert BATCH_FIX not in message
 
 
