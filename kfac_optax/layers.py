@@ -83,6 +83,21 @@ def _nnx_linear_general(module, x, y):
                                module.out_features)
 
 
+def _einsum(module, x, y):
+  x_labels, kernel_labels, out_labels = layouts.einsum_labels(module.einsum_str)
+  sizes = {**dict(zip(x_labels, x.shape[x.ndim - len(x_labels):])),
+           **dict(zip(out_labels, y.shape[y.ndim - len(out_labels):]))}
+  return layouts.EinsumLayout(x_labels, kernel_labels, out_labels,
+                              tuple(sorted(sizes.items())))
+
+
+def _einsum_in_layout(module) -> bool:
+  """An equation given at construction (not per call) that `EinsumLayout`
+  expresses."""
+  return module.einsum_str is not None and layouts.einsum_labels(
+      module.einsum_str) is not None
+
+
 _PRE_PADDING = {"CIRCULAR": "wrap", "REFLECT": "reflect", "CAUSAL": "causal"}
 
 
@@ -211,6 +226,7 @@ KINDS: dict[str, Kind] = {
     "conv_transpose": Kind(_conv_transpose, captures=_not_circular),
     "embed": Kind(_embed, extra_methods=("attend",)),
     "norm": Kind(_norm, _normalized_input),
+    "einsum": Kind(_einsum, captures=_einsum_in_layout),
 }
 
 NNX_KINDS: dict[str, Kind] = {
@@ -220,6 +236,7 @@ NNX_KINDS: dict[str, Kind] = {
     "conv_transpose": Kind(_nnx_conv_transpose, captures=_not_circular),
     "embed": KINDS["embed"],
     "norm": Kind(_norm, _nnx_normalized_input),
+    "einsum": KINDS["einsum"],
 }
 
 _REGISTRY: dict[type, Kind] = {
@@ -228,6 +245,7 @@ _REGISTRY: dict[type, Kind] = {
     nn.Conv: KINDS["conv"],
     nn.ConvTranspose: KINDS["conv_transpose"],
     nn.Embed: KINDS["embed"],
+    nn.Einsum: KINDS["einsum"],
     nn.LayerNorm: KINDS["norm"],
     nn.RMSNorm: KINDS["norm"],
     nn.GroupNorm: KINDS["norm"],
@@ -238,6 +256,7 @@ _REGISTRY: dict[type, Kind] = {
     nnx.Conv: NNX_KINDS["conv"],
     nnx.ConvTranspose: NNX_KINDS["conv_transpose"],
     nnx.Embed: NNX_KINDS["embed"],
+    nnx.Einsum: NNX_KINDS["einsum"],
     nnx.LayerNorm: NNX_KINDS["norm"],
     nnx.RMSNorm: NNX_KINDS["norm"],
     nnx.GroupNorm: NNX_KINDS["norm"],
@@ -246,8 +265,10 @@ _REGISTRY: dict[type, Kind] = {
 }
 
 
-_CONV_KINDS = ("conv", "conv_transpose")  # their kernel order is the layout's
-_NAMED_KINDS = ("dense", "dense_general", *_CONV_KINDS)  # kinds with a kernel and bias
+# Kinds whose kernel order is set by the layer (flax's conv kernel, the
+# equation), and kinds with a kernel and bias to name.
+_FIXED_ORDER_KINDS = ("conv", "conv_transpose", "einsum")
+_NAMED_KINDS = ("dense", "dense_general", *_FIXED_ORDER_KINDS)
 
 
 def register_layer(
@@ -266,7 +287,8 @@ def register_layer(
   configuration attributes of ``nn.DenseGeneral``, ``nn.Conv`` and
   ``nn.ConvTranspose`` (``features``, ``axis``, ``kernel_size``,
   ``strides``, ``padding``, ...) from the module, so they fit subclasses and
-  look-alikes of those; ``"embed"`` and ``"norm"`` likewise.
+  look-alikes of those; ``"embed"`` and ``"norm"`` likewise, and
+  ``"einsum"`` reads ``nn.Einsum``'s ``einsum_str``.
   For an ``nnx.Module`` class they read NNX's names (``nnx.LinearGeneral``'s
   ``out_features``, ``axis``, ``batch_axis``; ``nnx.Conv``'s
   ``out_features``, ...).
@@ -285,14 +307,14 @@ def register_layer(
       ``__call__`` takes the layer input as its first argument; its
       subclasses are captured too.
     kind: ``"dense"``, ``"dense_general"``, ``"conv"``,
-      ``"conv_transpose"``, ``"embed"``, ``"norm"``, or a layout function
-      ``(module, layer_input, layer_output) -> layout`` returning a
-      `kfac_optax.layouts.DenseLayout` (e.g.
-      ``layouts.dense(d_in, d_out, kernel_order="out_in")``) or
-      `kfac_optax.layouts.ConvLayout`, which carries the param names and
-      kernel order itself.
+      ``"conv_transpose"``, ``"einsum"``, ``"embed"``, ``"norm"``, or a
+      layout function ``(module, layer_input, layer_output) -> layout``
+      returning a `kfac_optax.layouts.DenseLayout` (e.g.
+      ``layouts.dense(d_in, d_out, kernel_order="out_in")``),
+      `kfac_optax.layouts.ConvLayout` or `kfac_optax.layouts.EinsumLayout`,
+      which carries the param names and kernel order itself.
     kernel: the name of the kernel param (``"dense"``, ``"dense_general"``,
-      ``"conv"``, ``"conv_transpose"``).
+      ``"conv"``, ``"conv_transpose"``, ``"einsum"``).
     bias: the name of the bias param, used when the layer has it; None for
       a layer whose params include no bias.
     kernel_layout: ``"in_out"`` (flax's ``(*in, *out)``; for the conv
@@ -333,7 +355,7 @@ def register_layer(
   if kind not in kinds:
     raise ValueError(f"register_layer: unknown kind {kind!r}; built-in kinds: "
                      f"{sorted(kinds)}, or pass a layout function")
-  orders = layouts.KERNEL_ORDERS if kind not in _CONV_KINDS else ("in_out",)
+  orders = layouts.KERNEL_ORDERS if kind not in _FIXED_ORDER_KINDS else ("in_out",)
   if kernel_layout not in orders:
     raise ValueError(f"register_layer: kernel_layout={kernel_layout!r} is not one "
                      f"of {orders} for kind {kind!r}")
@@ -343,7 +365,7 @@ def register_layer(
   found = kinds[kind]
   if custom:
     names = {"kernel_name": kernel, "bias_name": bias}
-    if kind not in _CONV_KINDS:
+    if kind not in _FIXED_ORDER_KINDS:
       names["kernel_order"] = kernel_layout
     layout_of = found.layout
     found = dataclasses.replace(found, layout=lambda module, x, y: dataclasses.replace(

@@ -134,6 +134,135 @@ def dense(in_dim: int, out_dim: int, **names_and_order) -> DenseLayout:
   return DenseLayout((-1,), (), (in_dim,), (out_dim,), **names_and_order)
 
 
+def _inverse(permutation) -> tuple[int, ...]:
+  return tuple(sorted(range(len(permutation)), key=permutation.__getitem__))
+
+
+@dataclasses.dataclass(frozen=True)
+class EinsumLayout:
+  """``y = einsum("x,kernel->y", x, kernel) (+ bias)``: flax's ``Einsum``.
+
+  Each label of the equation plays one part: in x and the kernel only, it is
+  contracted (an input feature); in the kernel and y only, an output
+  feature; in all three, a stack index (one block per index, as
+  DenseGeneral's batch_dims); in x and y only, a row index. Every position of
+  the row axes is a row, and so is every position of leading axes that x and
+  y have beyond the equation (time steps that nn.RNN stacks, a "..."). The
+  kernel matrix has the contracted labels as rows and the features as
+  columns, each in kernel order, so ``"btd,dk->btk"`` is ``nn.Dense``'s
+  layout; flax's bias has y's kernel labels, in y's order.
+
+  Attributes:
+    x_labels, kernel_labels, out_labels: one label per axis of each operand
+      (a leading "..." of x and y dropped), as `einsum_labels` parses them.
+    sizes: ``(label, size)`` for every label.
+  """
+
+  x_labels: str
+  kernel_labels: str
+  out_labels: str
+  sizes: tuple[tuple[str, int], ...]
+  kernel_name: str = "kernel"
+  bias_name: str | None = "bias"
+
+  def _labels(self, part: str) -> str:
+    x, kernel, out = self.x_labels, self.kernel_labels, self.out_labels
+    if part == "rows":
+      return "".join(c for c in x if c in out and c not in kernel)
+    in_x, in_out = {"stack": (True, True), "contracted": (True, False),
+                    "features": (False, True)}[part]
+    return "".join(c for c in kernel if (c in x) == in_x and (c in out) == in_out)
+
+  def _shape(self, labels: str) -> tuple[int, ...]:
+    return tuple(dict(self.sizes)[c] for c in labels)
+
+  @property
+  def num_stacks(self) -> int:
+    return _size(self._shape(self._labels("stack")))
+
+  @property
+  def in_dim(self) -> int:
+    return _size(self._shape(self._labels("contracted")))
+
+  @property
+  def out_dim(self) -> int:
+    return _size(self._shape(self._labels("features")))
+
+  @property
+  def kernel_shape(self) -> tuple[int, ...]:
+    return self._shape(self.kernel_labels)
+
+  @property
+  def _bias_labels(self) -> str:
+    return "".join(c for c in self.out_labels if c in self.kernel_labels)
+
+  @property
+  def bias_shape(self) -> tuple[int, ...]:
+    return self._shape(self._bias_labels)
+
+  def _rows(self, array: jax.Array, labels: str, first: tuple, columns: str) -> jax.Array:
+    """``array`` (its last axes labelled) as ``(S, rows, columns)``: stack
+    axes, then the ``first`` axes, the leading extra axes and the row labels."""
+    extra = array.ndim - len(labels)
+    at = lambda part: [extra + labels.index(c) for c in self._labels(part)]
+    leading = [a for a in range(extra) if a not in first]
+    order = [*at("stack"), *first, *leading, *at("rows"), *[extra + labels.index(c)
+                                                          for c in columns]]
+    return jnp.transpose(array, order).reshape(self.num_stacks, -1, _size(
+        self._shape(columns)))
+
+  def input_rows(self, x: jax.Array) -> jax.Array:
+    return self._rows(x, self.x_labels, (), self._labels("contracted"))
+
+  def output_rows(self, g: jax.Array) -> jax.Array:
+    """``g``: ``(K, ..., *y axes)``; rows K-major within each stack slice."""
+    return self._rows(g, self.out_labels, (0,), self._labels("features"))
+
+  def _kernel_order(self) -> tuple[int, ...]:
+    parts = "".join(self._labels(p) for p in ("stack", "contracted", "features"))
+    return tuple(self.kernel_labels.index(c) for c in parts)
+
+  def kernel_matrix(self, kernel: jax.Array) -> jax.Array:
+    return jnp.transpose(kernel, self._kernel_order()).reshape(
+        self.num_stacks, self.in_dim, self.out_dim)
+
+  def kernel_from_matrix(self, matrix: jax.Array) -> jax.Array:
+    order = self._kernel_order()
+    shape = tuple(self.kernel_shape[a] for a in order)
+    return jnp.transpose(matrix.reshape(shape), _inverse(order))
+
+  def _bias_order(self) -> tuple[int, ...]:
+    parts = self._labels("stack") + self._labels("features")
+    return tuple(self._bias_labels.index(c) for c in parts)
+
+  def bias_matrix(self, bias: jax.Array) -> jax.Array:
+    return jnp.transpose(bias, self._bias_order()).reshape(self.num_stacks, self.out_dim)
+
+  def bias_from_matrix(self, matrix: jax.Array) -> jax.Array:
+    order = self._bias_order()
+    shape = tuple(self.bias_shape[a] for a in order)
+    return jnp.transpose(matrix.reshape(shape), _inverse(order))
+
+
+def einsum_labels(equation: str) -> tuple[str, str, str] | None:
+  """``(x, kernel, y)`` labels of ``"x,kernel->y"``, or None where the
+  equation is not a stack of matrix products that `EinsumLayout` expresses:
+  a label repeated within an operand (a diagonal), in one operand only (a
+  sum over it), a "..." anywhere but leading both x and y."""
+  operands, _, out = equation.replace(" ", "").partition("->")
+  x, _, kernel = operands.partition(",")
+  if x.startswith("...") and out.startswith("..."):
+    x, out = x[3:], out[3:]
+  operands = (x, kernel, out)
+  if not all(o.isalpha() and len(set(o)) == len(o) for o in operands if o):
+    return None
+  for i, labels in enumerate(operands):
+    others = set("".join(operands[:i] + operands[i + 1:]))
+    if not set(labels) <= others:
+      return None
+  return operands
+
+
 @dataclasses.dataclass(frozen=True)
 class ConvLayout:
   """An N-d convolution, channels last (KFC, Grosse & Martens 2016).

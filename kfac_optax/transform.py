@@ -161,13 +161,13 @@ def scale_by_kfac(
   """Preconditions gradients with K-FAC's damped Kronecker-factored Fisher.
 
   Each captured layer gets its own block (`layers`; the README's "Layers"
-  table): ``nn.Dense``, ``nn.DenseGeneral``, ``nn.Conv`` and
-  ``nn.ConvTranspose`` (over im2col patches) a Kronecker block ``A ⊗ G``;
-  ``nn.Embed`` (a tied ``attend`` use merged in) a Kronecker block with
-  ``A`` diagonal; ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``,
-  ``nn.InstanceNorm`` and ``nn.BatchNorm`` an exact diagonal block for
-  scale and bias; modules given to `register_layer` the block of their
-  kind. Parameters of no such layer (and layers overridden with
+  table): ``nn.Dense``, ``nn.DenseGeneral``, ``nn.Einsum``, ``nn.Conv``
+  and ``nn.ConvTranspose`` (over im2col patches) a Kronecker block
+  ``A ⊗ G``; ``nn.Embed`` (a tied ``attend`` use merged in) a Kronecker
+  block with ``A`` diagonal; ``nn.LayerNorm``, ``nn.RMSNorm``,
+  ``nn.GroupNorm``, ``nn.InstanceNorm`` and ``nn.BatchNorm`` an exact
+  diagonal block for scale and bias; modules given to `register_layer` the
+  block of their kind. Parameters of no such layer (and layers overridden with
   ``"diagonal"``) share the diagonal fallback ``∇ / (F + λ)``. For a
   Kronecker block, with ``V = [∇W; ∇b]``:
 

@@ -138,7 +138,7 @@ def assert_block(state_factors, update, expected_factors, expected_update):
 # are concatenated into one Dense(classes) head.
 
 LAYER_TYPES = {"conv": nn.Conv, "conv_transpose": nn.ConvTranspose,
-               "dense_general": nn.DenseGeneral}
+               "dense_general": nn.DenseGeneral, "einsum": nn.Einsum}
 NNX_CONV_TYPES = {"conv": nnx.Conv, "conv_transpose": nnx.ConvTranspose}
 
 
@@ -189,6 +189,12 @@ def nnx_layer(b: Branch, rngs: nnx.Rngs) -> nnx.Module:
   """The NNX twin of branch ``b``'s layer (axes sorted, as flax's linen sorts
   them)."""
   kwargs = dict(b.kwargs)
+  if b.kind == "einsum":
+    _, kernel_labels, out_labels = einsum_operands(kwargs["einsum_str"], len(b.x_shape))
+    sizes = dict(zip(kernel_labels, kwargs["shape"]))
+    bias_shape = tuple(sizes[c] for c in out_labels if c in sizes)
+    return nnx.Einsum(kwargs["einsum_str"], kwargs["shape"],
+                      bias_shape if b.has_bias else None, rngs=rngs)
   features = kwargs.pop("features")
   shape = np.moveaxis(np.empty(b.x_shape), 0, b.lead).shape  # as the layer sees it
   if b.kind in NNX_CONV_TYPES:
@@ -574,6 +580,119 @@ def test_dense_general_batch_dims_in_any_order():
   """batch_dims=(1, 0) is the layer batch_dims=(0, 1) is (kernel (2, 3, 3, 2))."""
   branches = DENSE_GENERAL_FAMILIES[1]
   check_dense_general(branches, branches[-1])
+
+
+# --------------------------------------------------------------------------
+# 2b. nn.Einsum: labels in x and the kernel are contracted, in the kernel and
+#     y are output features, in all three index stack slices, in x and y
+#     index rows; the kernel matrix in kernel order. The reference takes the
+#     rows from the Jacobian ∂y/∂kernel and moves axes by label (np.einsum).
+
+EINSUM_BRANCHES = (
+    branch("dense_like", "einsum", (BATCH, 2, 4), shape=(4, 3), einsum_str="btd,dk->btk"),
+    branch("axes_in_any_order", "einsum", (BATCH, 3, 4), shape=(3, 2, 4),
+           einsum_str="btd,khd->bhkt"),
+    branch("two_contracted_nobias", "einsum", (BATCH, 2, 2, 3), shape=(3, 2, 4),
+           einsum_str="bthd,dhk->btk", use_bias=False),
+    branch("stack_leading", "einsum", (BATCH, 3, 4), lead=1, shape=(3, 4, 2),
+           einsum_str="hbd,hdk->hbk"),
+    branch("stack_last_in_kernel", "einsum", (BATCH, 3, 4), shape=(4, 2, 3),
+           einsum_str="bhd,dkh->bkh"),
+    branch("ellipsis", "einsum", (BATCH, 3, 4), shape=(4, 2), einsum_str="...d,dk->...k"),
+)
+EINSUM_CASES = {b.name: b for b in EINSUM_BRANCHES}
+
+
+def einsum_operands(equation, x_ndim):
+  """(x, kernel, y) labels, a leading "..." spelled out in capitals."""
+  x, kernel, y = equation.replace("->", ",").split(",")
+  ellipsis = "XYZ"[:x_ndim - len(x) + 3] if x.startswith("...") else ""
+  return x.replace("...", ellipsis), kernel, y.replace("...", ellipsis)
+
+
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("case", list(EINSUM_CASES))
+def test_einsum_matches_brute_force(case, api):
+  b = EINSUM_CASES[case]
+  family = run_family(EINSUM_BRANCHES, api)
+  ref, params, grads = family.reference, family.params[b.name], family.grads[b.name]
+  x, kernel, y = einsum_operands(dict(b.kwargs)["einsum_str"], len(b.x_shape))
+  stack = "".join(c for c in kernel if c in x and c in y)
+  contracted = "".join(c for c in kernel if c in x and c not in y)
+  features = "".join(c for c in kernel if c in y and c not in x)
+  rows = "".join(c for c in x if c in y and c not in kernel)
+  bias_labels = "".join(c for c in y if c in kernel)
+  sizes = dict(zip(kernel, params["kernel"].shape))
+  slices, in_dim, outs = (int(np.prod([sizes[c] for c in part]))
+                          for part in (stack, contracted, features))
+  as_rows = lambda array, labels, order, width: np.einsum(
+      f"{labels}->{order}", f64(array)).reshape(slices, -1, width)
+  as_matrix = lambda array, labels, order, *dims: np.einsum(
+      f"{labels}->{order}", f64(array)).reshape(slices, *dims)
+
+  # ∂y[s, r, f] / ∂kernel[s, i, f] at feature f = 0 is row r's input; a
+  # stack label, in both of the Jacobian's halves, is read on the diagonal.
+  at_feature = lambda labels: tuple(0 if c in features else slice(None) for c in labels)
+  jacobian = f64(ref.jacobians[b.name])[at_feature(y) + at_feature(kernel)]
+  drop = lambda labels: "".join(c for c in labels if c not in features)
+  patches = as_rows(jacobian, drop(y) + drop(kernel), stack + rows + contracted, in_dim)
+  kernel_mats = as_matrix(params["kernel"], kernel, stack + contracted + features,
+                          in_dim, outs)
+  bias = (as_matrix(params["bias"], bias_labels, stack + features, outs)
+          if b.has_bias else np.zeros((slices, outs)))
+  np.testing.assert_allclose(patches @ kernel_mats + bias[:, None],
+                             as_rows(ref.outputs[b.name], y, stack + rows + features, outs),
+                             atol=1e-5)
+
+  a, g, u_kernel, u_bias = kronecker_reference(
+      patches, as_rows(ref.output_grads[b.name], y, stack + rows + features, outs), BATCH,
+      as_matrix(grads["kernel"], kernel, stack + contracted + features, in_dim, outs),
+      as_matrix(grads["bias"], bias_labels, stack + features, outs) if b.has_bias else None)
+  unmatrix = lambda matrix, parts, labels: np.einsum(
+      f"{parts}->{labels}", matrix.reshape([sizes[c] for c in parts]))
+  expected = {"kernel": unmatrix(u_kernel, stack + contracted + features, kernel)}
+  if b.has_bias:
+    expected["bias"] = unmatrix(u_bias, stack + features, bias_labels)
+  assert set(family.state.factors) == set(EINSUM_CASES) | {"head"}
+  assert_block(family.state.factors[b.name], family.updates[b.name], (a, g), expected)
+
+
+def test_einsum_layout_rows_and_round_trips():
+  """On every case: input rows times the kernel matrix plus the bias are the
+  output rows; output rows are K-major within a stack slice; an extra
+  leading axis (time steps under nn.RNN) adds rows; kernel and bias come back
+  from their matrices."""
+  rng = np.random.default_rng(0)
+  for b in EINSUM_BRANCHES:
+    layer = b.layer()
+    x = jnp.asarray(rng.normal(size=np.moveaxis(np.empty(b.x_shape), 0, b.lead).shape),
+                    jnp.float32)
+    variables = layer.init(jax.random.key(0), x)
+    params, y = variables["params"], layer.apply(variables, x)
+    layout = kfac_optax.layers.kind_of(layer).layout(layer, x, y)
+    bias = layout.bias_matrix(params["bias"]) if b.has_bias else 0.0
+    for xs, ys in ((x, y), (jnp.stack([x, -x]), jnp.stack([y, layer.apply(variables, -x)]))):
+      rows = layout.input_rows(xs) @ layout.kernel_matrix(params["kernel"])
+      np.testing.assert_allclose(rows + (bias if np.ndim(bias) == 0 else bias[:, None]),
+                                 layout.output_rows(ys[None]), atol=1e-5, err_msg=b.name)
+    np.testing.assert_allclose(layout.output_rows(jnp.stack([y, 2 * y])), jnp.concatenate(
+        [layout.output_rows(y[None]), 2 * layout.output_rows(y[None])], 1), err_msg=b.name)
+    np.testing.assert_array_equal(
+        layout.kernel_from_matrix(layout.kernel_matrix(params["kernel"])), params["kernel"])
+    if b.has_bias:
+      np.testing.assert_array_equal(
+          layout.bias_from_matrix(layout.bias_matrix(params["bias"])), params["bias"])
+
+
+def test_einsum_with_its_equation_given_per_call_falls_back():
+  """The layout is read from the module's einsum_str; an equation passed to
+  each call, or one that sums over a label of one operand, is the diagonal
+  fallback's."""
+  per_call = nn.Einsum((4, 3))
+  summed = nn.Einsum((4, 3), "btd,dk->bk")
+  assert kfac_optax.layers.kind_of(per_call) is None
+  assert kfac_optax.layers.kind_of(summed) is None
+  assert kfac_optax.layers.kind_of(nn.Einsum((4, 3), "btd,dk->btk")) is not None
 
 
 # --------------------------------------------------------------------------

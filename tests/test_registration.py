@@ -241,6 +241,41 @@ def test_param_names_map_onto_the_same_block_as_flax_names():
         jax.tree.map(f64, expected[flax_name])) < 1e-5
 
 
+class Projection(nn.Module):
+  """An einsum layer of a model zoo: its equation an attribute, kernel "w"."""
+  einsum_str: str
+  shape: tuple
+
+  @nn.compact
+  def __call__(self, x):
+    return jnp.einsum(self.einsum_str, x, self.param("w", nn.initializers.normal(),
+                                                     self.shape))
+
+
+def test_einsum_kind_with_a_param_name_is_the_flax_einsum_block():
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)
+  batch = (x, jnp.asarray(rng.integers(0, 3, 6), jnp.int32))
+  equation, shape = "bd,dhk->bkh", (4, 3, 3)
+  grads = {"w": random_tree({"w": jnp.zeros(shape)}, 5)["w"]}
+  kernel = random_tree({"w": jnp.zeros(shape)}, 4)["w"]
+
+  kfac_optax.register_layer(Projection, "einsum", kernel="w", bias=None)
+  def update(layer, p, g):
+    model = nn.Sequential([layer, lambda h: h.mean(-1)])
+    tx = kfac_optax.scale_by_kfac(model.apply, LOSS, example_batch=batch,
+                                  estimation="empirical", damping=DAMPING)
+    return jax.jit(lambda p, g: tx.update(g, tx.init(p), p, batch=batch))(p, g)
+  out, state = update(Projection(equation, shape), {"layers_0": {"w": kernel}},
+                      {"layers_0": grads})
+  expected, expected_state = update(nn.Einsum(shape, equation, use_bias=False),
+                                    {"layers_0": {"kernel": kernel}},
+                                    {"layers_0": {"kernel": grads["w"]}})
+  assert state.factors["layers_0"].a.shape == (1, 4, 4)
+  assert bf.relative_error(state.factors, expected_state.factors) < 1e-5
+  assert bf.relative_error(out["layers_0"]["w"], expected["layers_0"]["kernel"]) < 1e-5
+
+
 def test_tied_head_without_declaration_warns_once_and_still_trains():
   params, batch = problem()
   kfac_optax.register_layer(Conv1D, "dense", kernel_layout="out_in")
@@ -288,8 +323,8 @@ def test_wrong_tied_embeddings_are_init_errors(tied, message):
      "subclass (the class, not an instance), got FlaxConv1D("),
     ((Conv1D, "linear"), {}, ValueError,
      "register_layer: unknown kind 'linear'; built-in kinds: ['conv', "
-     "'conv_transpose', 'dense', 'dense_general', 'embed', 'norm'], or pass a "
-     "layout function"),
+     "'conv_transpose', 'dense', 'dense_general', 'einsum', 'embed', 'norm'], or "
+     "pass a layout function"),
     ((Conv1D, "dense"), {"kernel_layout": "io"}, ValueError,
      "register_layer: kernel_layout='io' is not one of ('in_out', 'out_in') for "
      "kind 'dense'"),
@@ -297,7 +332,7 @@ def test_wrong_tied_embeddings_are_init_errors(tied, message):
      "register_layer: kernel_layout='out_in' is not one of ('in_out',) for kind 'conv'"),
     ((Conv1D, "embed"), {"kernel": "table"}, ValueError,
      "register_layer: kernel=, bias= and kernel_layout= apply to the kinds "
-     "('dense', 'dense_general', 'conv', 'conv_transpose'), not 'embed'"),
+     "('dense', 'dense_general', 'conv', 'conv_transpose', 'einsum'), not 'embed'"),
     ((Conv1D, conv1d_layout), {"bias": None}, ValueError,
      "register_layer: kernel=, bias= and kernel_layout= go with a kind name; a "
      "layout function sets them on the layout it returns"),
