@@ -330,11 +330,13 @@ def capture(
 def not_threaded_error(path: Path) -> ValueError:
   """The error for a layer whose calls never reached K-FAC's collections."""
   name = "/".join(path)
+  pattern = "/".join((*path[:-1], "*")) if len(path) > 1 else name
   return ValueError(
       f"the layer at {name!r} runs inside a flax lifted transform (nn.scan, "
-      "nn.vmap, nn.map_variables, ...) that does not carry K-FAC's "
-      "collections, so its inputs and output gradients cannot be captured. "
+      "nn.vmap, ...) that does not carry K-FAC's collections, so its inputs "
+      "and output gradients cannot be captured. "
       f"Add {{{INPUTS!r}: 0, {PERTURBATIONS!r}: 0}} to that transform's "
       f"variable_axes, e.g. nn.scan(..., variable_axes={{'params': 0, "
-      f"{INPUTS!r}: 0, {PERTURBATIONS!r}: 0}}), or give the layer the "
-      f"diagonal block with layer_overrides={{{name!r}: 'diagonal'}}.")
+      f"{INPUTS!r}: 0, {PERTURBATIONS!r}: 0}}), or give the layers under it "
+      f"the diagonal block, e.g. layer_overrides={{{pattern!r}: 'diagonal'}} "
+      "(a pattern that matches every one of them).")

@@ -135,8 +135,8 @@ _BATCH_FIX = (
     "keywords go in apply_kwargs=, and other variable collections (e.g. "
     "batch_stats) in update(..., variables=...).")
 _CALLED_AS = (
-    "apply_fn(variables, *inputs(batch), mutable=..., rngs={'dropout': key}, "
-    "**apply_kwargs)")
+    "apply_fn(variables, *inputs(batch), mutable=..., rngs={'dropout': key, "
+    "'params': key2}, **apply_kwargs)")
 
 
 def _is_array(value: Any) -> bool:
@@ -451,6 +451,12 @@ class Curvature:
       if choice not in _OVERRIDES:
         raise ValueError(f"layer_overrides[{pattern!r}] must be one of "
                          f"{_OVERRIDES}, got {choice!r}")
+    if "rngs" in (self.apply_kwargs or {}):
+      raise ValueError(
+          "apply_kwargs must not hold 'rngs': K-FAC's pass draws its own "
+          "randomness from update's rng= (it seeds 'dropout' and, through "
+          "flax's fallback to 'params', every other stream), as the user's "
+          "step draws its own.")
     for source, target in (self.tied_embeddings or {}).items():
       if not (isinstance(source, str) and isinstance(target, str)):
         raise TypeError(
@@ -473,8 +479,12 @@ class Curvature:
     return found if isinstance(found, tuple) else (found,)
 
   def _call_kwargs(self, rng: jax.Array | None) -> dict[str, Any]:
+    """``rngs``: the step's key seeds ``"dropout"`` and, through flax's
+    fallback to ``"params"``, every other stream the model draws from
+    (stochastic depth's, a VAE's noise)."""
     key = jax.random.key(0) if rng is None else rng
-    return {**(self.apply_kwargs or {}), "rngs": {"dropout": key}}
+    return {**(self.apply_kwargs or {}),
+            "rngs": {"dropout": key, "params": jax.random.fold_in(key, 1)}}
 
   def _model_output(self, out: Any) -> jax.Array:
     """The array the loss reads from apply_fn's return value (``outputs=``).
@@ -539,11 +549,10 @@ class Curvature:
     args = self._model_args(batch, what)
     call_kwargs = self._call_kwargs(None)
     if mutable is True:  # the example batch, with no collection but params
-      # flax creates the others, some from a 'params' key (SpectralNorm's
+      # flax creates the others, some from the 'params' key (SpectralNorm's
       # power-iteration vector); params stay read-only, so a missing param
       # is still flax's error that names it.
       mutable = flax.core.DenyList("params")
-      call_kwargs["rngs"] = {**call_kwargs["rngs"], "params": jax.random.key(0)}
     variables = {"params": params, **variables}
     _check_signature(self.apply_fn, variables, args, call_kwargs)
     try:

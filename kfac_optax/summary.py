@@ -222,11 +222,11 @@ def warn_if_mostly_fallback(summary: Summary) -> None:
                       for row in summary.largest("fallback", 3))
   warnings.warn(
       f"{share:.0%} of the parameters get only K-FAC's diagonal fallback: no "
-      f"layer block captures them. Largest: {largest}. If these are dense- or "
-      "conv-like layers of your own, declare their module class with "
-      "kfac_optax.register_layer to give them Kronecker blocks; "
-      "kfac_optax.describe(tx, params) lists every block. Layers under "
+      f"layer block captures them. Largest: {largest}. Layers under "
       "nn.map_variables (nn.WeightNorm, nn.SpectralNorm) stay there by "
-      "design. Layers meant to stay diagonal: layer_overrides={pattern: "
-      "'diagonal'} (not counted here).",
+      "design; if these are dense- or conv-like layers of your own, declare "
+      "their module class with kfac_optax.register_layer to give them "
+      "Kronecker blocks. kfac_optax.describe(tx, params) lists every block. "
+      "Layers meant to stay diagonal: layer_overrides={pattern: 'diagonal'} "
+      "(not counted here).",
       FallbackWarning, stacklevel=3)

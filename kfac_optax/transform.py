@@ -198,7 +198,8 @@ def scale_by_kfac(
     inputs: batch -> apply_fn's positional input (or tuple of them);
       default ``batch[0]`` for tuple/list batches. ``apply_fn`` is called as
       ``apply_fn({"params": params, **variables}, *inputs(batch),
-      mutable=..., rngs={"dropout": key}, **apply_kwargs)``.
+      mutable=..., rngs={"dropout": key, "params": key'}, **apply_kwargs)``
+      (``"params"``: flax's fallback for every other random stream).
     outputs: apply_fn's return value -> the array the loss reads, for models
       that return a dict or a dataclass (e.g. ``lambda out: out["logits"]``,
       or ``lambda out: out.logits`` for a Hugging Face ``ModelOutput``);

@@ -986,6 +986,40 @@ def test_layers_under_map_variables_use_the_diagonal_block():
                            {"batch_stats": batch_stats})
 
 
+class SharedQueriesNet(nn.Module):
+  """Learned queries (DETR, Perceiver): a Dense whose input has no example
+  axis, its output added to every example's."""
+
+  @nn.compact
+  def __call__(self, x):
+    queries = self.param("queries", nn.initializers.normal(1.0), (x.shape[1], 3))
+    h = jnp.tanh(x + nn.Dense(x.shape[-1], name="shared")(queries))
+    return nn.Dense(CLASSES, name="head")(h.mean(axis=1))
+
+
+def test_a_layer_without_example_axis_sums_the_examples_output_gradients():
+  """Its rows are shared by every example, so its g is the sum over the
+  examples of their gradients, cross terms kept (README, "Factors"):
+  G = (1/L) Σ_t (Σ_n g_nt)(Σ_n g_nt)ᵀ, A the mean over the T shared rows."""
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(BATCH, 3, 2)), jnp.float32)
+  y = labels(1)
+  model = SharedQueriesNet()
+  params = random_params(model, x, seed=2)
+  _, state = kfac_step(model.apply, params, (x, y), random_tree(params, seed=3))
+
+  def example_loss(delta, xn, yn):  # delta perturbs the shared layer's output
+    shared = params["shared"]
+    out = params["queries"] @ shared["kernel"] + shared["bias"] + delta
+    h = jnp.tanh(xn[None] + out)
+    return summed_nll(h.mean(axis=1) @ params["head"]["kernel"] + params["head"]["bias"],
+                      yn[None])
+  per_example = jax.vmap(jax.grad(example_loss), (None, 0, 0))(jnp.zeros((3, 2)), x, y)
+  summed = f64(per_example).sum(axis=0)  # (T, out): one row per shared position
+  rows = np.concatenate([f64(params["queries"]), np.ones((3, 1))], 1)
+  assert bf.relative_error(state.factors["shared"].a[0], rows.T @ rows / 3) < 1e-5
+  assert bf.relative_error(state.factors["shared"].g[0], summed.T @ summed / BATCH) < 1e-4
+
+
 class RecurrentNet(nn.Module):
   cell: type
 

@@ -118,6 +118,11 @@ def test_unthreaded_scan_layers_can_take_the_diagonal_block():
   y = jnp.arange(6) % 3
   model = scanned_net({"params": 0})
   params = model.init(jax.random.key(1), x)["params"]
+  unthreaded = kfac_optax.scale_by_kfac(model.apply, LOSS, example_batch=(x, y))
+  with pytest.raises(ValueError, match="runs inside a flax lifted transform") as error:
+    unthreaded.init(params)
+  # The advice names a pattern for every layer under the transform.
+  assert "layer_overrides={'stack/*': 'diagonal'}" in str(error.value)
   tx = kfac_optax.scale_by_kfac(model.apply, LOSS, example_batch=(x, y),
                                 layer_overrides={"stack/*": "diagonal"})
   _, state = tx.update(params, tx.init(params), params, batch=(x, y),

@@ -321,7 +321,8 @@ def test_apply_fn_that_cannot_take_the_call_says_how_it_is_called(apply_fn, keyw
   message = init_error(apply_fn=apply_fn)
   assert message.startswith(
       "apply_fn cannot be called the way K-FAC calls it, apply_fn(variables, "
-      "*inputs(batch), mutable=..., rngs={'dropout': key}, **apply_kwargs): "
+      "*inputs(batch), mutable=..., rngs={'dropout': key, 'params': key2}, "
+      "**apply_kwargs): "
       f"got an unexpected keyword argument '{keyword}'")
   assert "Fix: pass the flax apply function (model.apply)" in message
   assert BATCH_FIX not in message
@@ -331,6 +332,12 @@ class MisregisteredDense(nn.Module):
   @nn.compact
   def __call__(self, x):
     return x @ self.param("kernel", nn.initializers.normal(), (x.shape[-1], 3))
+
+
+def test_rngs_in_apply_kwargs_are_named():
+  with pytest.raises(ValueError, match="apply_kwargs must not hold 'rngs'"):
+    kfac_optax.scale_by_kfac(bf.TinyMLP().apply, LOSS, example_batch=BATCH,
+                             apply_kwargs={"rngs": {"noise": jax.random.key(0)}})
 
 
 def test_failure_under_capture_only_is_named():

@@ -114,18 +114,22 @@ def test_stats_update_period_skips_statistics():
 
 
 class DropoutMLP(nn.Module):
+  stream: str  # the random stream of the dropout masks
 
   @nn.compact
   def __call__(self, x):
-    h = nn.Dropout(0.5, deterministic=False)(nn.tanh(nn.Dense(4)(x)))
+    h = nn.Dropout(0.5, deterministic=False, rng_collection=self.stream)(
+        nn.tanh(nn.Dense(4)(x)))
     return nn.Dense(3)(h)
 
 
-def test_dropout_masks_of_the_statistics_change_each_step_without_rng():
+@pytest.mark.parametrize("stream", ["dropout", "drop_path"])
+def test_dropout_masks_of_the_statistics_change_each_step_without_rng(stream):
   # One batch, the same params: only the second layer's input factor sees
   # the dropout mask. A fixed key (an rng given) keeps it; none, new masks.
+  # A stream other than "dropout" draws from K-FAC's "params" key.
   _, batch = bf.tiny_problem()
-  model = DropoutMLP()
+  model = DropoutMLP(stream)
   params = model.init(jax.random.key(1), batch[0])["params"]
   tx = kfac_optax.scale_by_kfac(model.apply, LOSS, example_batch=batch,
                                 estimation="empirical", ema_decay=0.5)
