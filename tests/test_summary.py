@@ -143,9 +143,10 @@ def test_init_warns_once_when_most_params_fall_back():
   tx, params = mostly_raw_tx()  # a fresh init: eval_shape caches traces
   with pytest.warns(kfac_optax.FallbackWarning, match=(
       r"98% of the parameters get only K-FAC's diagonal fallback: no layer block "
-      r"captures them. Largest: '\(root\)' \(1,672\)\. If these are dense- or "
-      r"conv-like layers of your own, declare their module class with "
-      r"kfac_optax.register_layer")):
+      r"captures them. Largest: '\(root\)' \(1,672\)\. Layers under "
+      r"nn.map_variables \(nn.WeightNorm, nn.SpectralNorm\) stay there by design; "
+      r"if these are dense- or conv-like layers of your own, declare their module "
+      r"class with kfac_optax.register_layer")):
     jax.eval_shape(tx.init, params)  # init traced: no arrays made
 
 
