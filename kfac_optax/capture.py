@@ -54,6 +54,17 @@ def output_name(method: str, call: int) -> str:
   return f"kfac_out_{call}" if method == CALL else f"kfac_{method}_out_{call}"
 
 
+class Uncaptured(NamedTuple):
+  """The layout recorded for a layer call that its kind cannot express (see
+  `layers.configured`): the call runs unhooked and the layer's params get
+  the diagonal fallback. ``settings``: the call's configuration."""
+  settings: tuple[tuple[str, Any], ...]
+
+
+def uncaptured(kind: Any, args: tuple, kwargs: dict) -> Uncaptured:
+  return Uncaptured(tuple(sorted(kind.call_settings(args, kwargs).items())))
+
+
 class ParamsError(ValueError):
   """Params that do not fit the model, found by a front-end's own check (an
   NNX model's); its message names the cause and the fix."""
@@ -104,12 +115,17 @@ class _Interceptor:
     if self.busy or kind is None or method not in (CALL, *kind.extra_methods):
       return next_fun(*args, **kwargs)
     owner = self._owner(module)
+    config = layers.configured(kind, module, args, kwargs) if method == CALL else module
+    if config is None:
+      if self.layouts is not None:
+        self._record(tuple(owner.path), uncaptured(kind, args, kwargs))
+      return next_fun(*args, **kwargs)
     previous_calls = owner.get_variable(INPUTS, input_name(method), ())
     output = next_fun(*args, **kwargs)
     captured = call_input(self, kind, module, method, args, kwargs, output)
     owner.sow(INPUTS, input_name(method), captured)
     if self.layouts is not None and method == CALL:
-      self._record(tuple(owner.path), kind.layout(module, captured, output))
+      self._record(tuple(owner.path), kind.layout(config, captured, output))
       self.output_shapes[tuple(owner.path)] = jnp.shape(output)
       self.param_shapes[tuple(owner.path)] = {
           name: jnp.shape(value)
@@ -162,7 +178,7 @@ class Discovered(NamedTuple):
 
   Attributes:
     layouts: module path -> layout (see `layouts`), for every layer call the
-      interceptor saw.
+      interceptor saw (`Uncaptured` for calls it ran unhooked).
     num_calls: module path -> how many calls reached the collections. A path
       in ``layouts`` but not here ran inside a lifted transform (nn.scan,
       nn.vmap, ...) that did not carry K-FAC's collections.

@@ -609,7 +609,7 @@ class Curvature:
                       if key[:-1] == path}
       if override == "skip":
         owned.update(path + (name,) for name in layer_params)
-      if override in ("skip", "diagonal"):
+      if override in ("skip", "diagonal") or isinstance(layout, capture.Uncaptured):
         continue
       if not layer_params:  # e.g. a submodule's .apply on tied weights
         unowned[path] = layout

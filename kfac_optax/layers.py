@@ -10,6 +10,7 @@ their kinds differ only where the two APIs name a configuration differently
 """
 
 import dataclasses
+import inspect
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -37,11 +38,16 @@ class Kind:
       first argument), for blocks that use the parameters there as well.
     captures: ``module -> bool``, False for a configuration the layout
       cannot express (the module's params then get the diagonal fallback).
+    call_settings: ``(args, kwargs) -> {attribute: value}``: configuration
+      that a call gives in place of the module's attribute of that name
+      (``nn.Einsum``'s ``einsum_str``). ``layout`` and ``captures`` then
+      read the module as each call configures it (see `configured`).
   """
   layout: Callable[[nn.Module, Any, Any], Any]
   captured_input: Callable[..., Any] = _first_argument
   extra_methods: tuple[str, ...] = ()
   captures: Callable[[Any], bool] = lambda module: True
+  call_settings: Callable[[tuple, dict], dict] | None = None
 
 
 def _as_tuple(value) -> tuple:
@@ -92,10 +98,47 @@ def _einsum(module, x, y):
 
 
 def _einsum_in_layout(module) -> bool:
-  """An equation given at construction (not per call) that `EinsumLayout`
+  """An equation (given at construction or by the call) that `EinsumLayout`
   expresses."""
-  return module.einsum_str is not None and layouts.einsum_labels(
-      module.einsum_str) is not None
+  equation = getattr(module, "einsum_str", None)
+  return equation is not None and layouts.einsum_labels(equation) is not None
+
+
+def _einsum_kind(call: Callable[..., Any], equation: str | None) -> Kind:
+  """The einsum kind of a layer whose ``__call__`` (``call``) may take its
+  equation as the argument named ``equation`` (the module's ``einsum_str``
+  where the call gives none) and takes its input as its first other
+  argument: ``nn.Einsum(...)(x, einsum_str=None)``, or Gemma's
+  ``Einsum(shape)(eqn, x)``. ``equation=None``: the module's
+  ``einsum_str`` only, the input first.
+
+  Raises:
+    ValueError: ``call`` has no argument named ``equation``, or no other.
+  """
+  if equation is None:
+    return Kind(_einsum, captures=_einsum_in_layout)
+  names = list(inspect.signature(call).parameters)[1:]  # self dropped
+  others = [name for name in names if name != equation]
+  if equation not in names or not others:
+    raise ValueError(
+        f"register_layer: equation={equation!r} names no argument of "
+        f"{call.__qualname__}{inspect.signature(call)} beside the layer's input")
+
+  def argument(args, kwargs, name):
+    position = names.index(name)
+    return kwargs[name] if name in kwargs else (
+        args[position] if position < len(args) else None)
+
+  def call_settings(args, kwargs):
+    given = argument(args, kwargs, equation)
+    return {} if given is None else {"einsum_str": given}
+
+  def layer_input(module, args, kwargs, output):
+    del module, output
+    return argument(args, kwargs, others[0])
+
+  return Kind(_einsum, layer_input, captures=_einsum_in_layout,
+              call_settings=call_settings)
 
 
 _PRE_PADDING = {"CIRCULAR": "wrap", "REFLECT": "reflect", "CAUSAL": "causal"}
@@ -226,7 +269,7 @@ KINDS: dict[str, Kind] = {
     "conv_transpose": Kind(_conv_transpose, captures=_not_circular),
     "embed": Kind(_embed, extra_methods=("attend",)),
     "norm": Kind(_norm, _normalized_input),
-    "einsum": Kind(_einsum, captures=_einsum_in_layout),
+    "einsum": _einsum_kind(nn.Einsum.__call__, "einsum_str"),
 }
 
 NNX_KINDS: dict[str, Kind] = {
@@ -236,7 +279,7 @@ NNX_KINDS: dict[str, Kind] = {
     "conv_transpose": Kind(_nnx_conv_transpose, captures=_not_circular),
     "embed": KINDS["embed"],
     "norm": Kind(_norm, _nnx_normalized_input),
-    "einsum": KINDS["einsum"],
+    "einsum": _einsum_kind(nnx.Einsum.__call__, "einsum_str"),
 }
 
 _REGISTRY: dict[type, Kind] = {
@@ -278,6 +321,7 @@ def register_layer(
     kernel: str = "kernel",
     bias: str | None = "bias",
     kernel_layout: str = "in_out",
+    equation: str | None = None,
 ) -> None:
   """Captures every instance of ``module_class`` as a curvature block.
 
@@ -288,7 +332,8 @@ def register_layer(
   ``nn.ConvTranspose`` (``features``, ``axis``, ``kernel_size``,
   ``strides``, ``padding``, ...) from the module, so they fit subclasses and
   look-alikes of those; ``"embed"`` and ``"norm"`` likewise, and
-  ``"einsum"`` reads ``nn.Einsum``'s ``einsum_str``.
+  ``"einsum"`` reads ``nn.Einsum``'s ``einsum_str`` (the module's, or the
+  call's where ``__call__`` takes it, as ``nn.Einsum``'s does).
   For an ``nnx.Module`` class they read NNX's names (``nnx.LinearGeneral``'s
   ``out_features``, ``axis``, ``batch_axis``; ``nnx.Conv``'s
   ``out_features``, ...).
@@ -321,11 +366,16 @@ def register_layer(
       kinds flax's, e.g. ``(*kernel_size, in / groups, out)``) or
       ``"out_in"`` (the feature axes swapped: ``"dense"`` and
       ``"dense_general"`` only).
+    equation: ``"einsum"`` only: the name of the ``__call__`` argument that
+      holds the equation, for a layer that takes it per call, with the input
+      as its first other argument (Gemma's ``Einsum(shape)(eqn, x)``:
+      ``equation="eqn"``); by default ``einsum_str`` where ``__call__``
+      takes one, otherwise the module's attribute ``einsum_str``.
 
   Raises:
     TypeError: ``module_class`` is not a flax module class.
-    ValueError: an unknown ``kind`` or ``kernel_layout``, or param names or
-      a layout given with a kind that takes none.
+    ValueError: an unknown ``kind`` or ``kernel_layout``, or param names,
+      a layout or an equation given with a kind that takes none.
 
   Example:
     >>> class Conv1D(nn.Module):  # Hugging Face's Dense with an (out, in) kernel
@@ -344,6 +394,9 @@ def register_layer(
                     f"{module_class!r}")
   kinds = NNX_KINDS if issubclass(module_class, nnx.Module) else KINDS
   custom = (kernel, bias, kernel_layout) != ("kernel", "bias", "in_out")
+  if equation is not None and kind != "einsum":
+    raise ValueError(f"register_layer: equation= applies to the kind 'einsum', "
+                     f"not {kind!r}")
   if callable(kind):
     if custom:
       raise ValueError(
@@ -363,6 +416,11 @@ def register_layer(
     raise ValueError(f"register_layer: kernel=, bias= and kernel_layout= apply to "
                      f"the kinds {_NAMED_KINDS}, not {kind!r}")
   found = kinds[kind]
+  if kind == "einsum":
+    if equation is None and "einsum_str" in inspect.signature(
+        module_class.__call__).parameters:
+      equation = "einsum_str"
+    found = _einsum_kind(module_class.__call__, equation)
   if custom:
     names = {"kernel_name": kernel, "bias_name": bias}
     if kind not in _FIXED_ORDER_KINDS:
@@ -401,9 +459,34 @@ def _params_as_stored(module: "nn.Module | nnx.Module") -> bool:
 
 
 def kind_of(module: "nn.Module | nnx.Module") -> Kind | None:
-  """The layer kind of a flax module instance, or None if it is not captured."""
+  """The layer kind of a flax module instance, or None if it is not captured
+  (for a kind with `Kind.call_settings`, `configured` decides call by call)."""
   for cls in type(module).__mro__:
     if cls in _REGISTRY:
       kind = _REGISTRY[cls]
-      return kind if kind.captures(module) and _params_as_stored(module) else None
+      expressed = kind.call_settings is not None or kind.captures(module)
+      return kind if expressed and _params_as_stored(module) else None
   return None
+
+
+class _Configured:
+  """A layer as one call configures it: the call's settings in place of the
+  module's attributes of those names, the module's for the rest."""
+
+  def __init__(self, module: Any, settings: dict[str, Any]):
+    self._module, self._settings = module, settings
+
+  def __getattr__(self, name: str) -> Any:
+    settings = self.__dict__["_settings"]
+    return settings[name] if name in settings else getattr(self.__dict__["_module"], name)
+
+
+def configured(kind: Kind, module: Any, args: tuple, kwargs: dict) -> Any:
+  """What ``kind.layout`` reads for one ``__call__``: the module, or with
+  `Kind.call_settings` the module as the call configures it; None where
+  the kind cannot express that configuration (an einsum equation that sums
+  over a label): the call is then not captured."""
+  if kind.call_settings is None:
+    return module
+  view = _Configured(module, kind.call_settings(args, kwargs))
+  return view if kind.captures(view) else None

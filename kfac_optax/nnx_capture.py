@@ -107,6 +107,13 @@ class _Recorder:
       path = next((v.get_metadata().get(_PATH) for v in params.values()), None)
     if path is None:  # a layer made during the call: not a module of the model
       return original(module, *args, **kwargs)
+    config = (layers.configured(kind, module, args, kwargs)
+              if method == capture.CALL else module)
+    if config is None:
+      if self.discovering:
+        capture.record_layout(self.layouts, path,
+                              capture.uncaptured(kind, args, kwargs))
+      return original(module, *args, **kwargs)
     calls = self.inputs.setdefault((path, method), [])
     output = original(module, *args, **kwargs)
     captured = capture.call_input(self, kind, module, method, args, kwargs, output)
@@ -118,7 +125,7 @@ class _Recorder:
       getattr(module, _stash_name("in", method, index)).set_value(captured)
       return output + getattr(module, _stash_name("out", method, index))[...]
     if method == capture.CALL:
-      capture.record_layout(self.layouts, path, kind.layout(module, captured, output))
+      capture.record_layout(self.layouts, path, kind.layout(config, captured, output))
       self.output_shapes[path] = jnp.shape(output)
       self.param_shapes[path] = {name: jnp.shape(v) for name, v in params.items()}
     stack = ()

@@ -154,23 +154,36 @@ class Branch:
     lead: the example axis is moved behind this many leading axes before the
       layer (and back after it), so that a DenseGeneral's ``batch_dims``
       (leading axes in flax) slice along axes other than the example axis.
+    call: keyword arguments of the layer's call, as sorted items.
   """
   name: str
   kind: str
   x_shape: tuple
   kwargs: tuple
   lead: int = 0
+  call: tuple = ()
 
   def layer(self, **overrides) -> nn.Module:
     return LAYER_TYPES[self.kind](**{**dict(self.kwargs), **overrides})
+
+  def apply(self, params, x, **overrides):
+    """The layer on ``x`` as the model calls it (``overrides``: of its
+    constructor's arguments)."""
+    return self.layer(**overrides).apply({"params": params}, x, **dict(self.call))
+
+  @property
+  def equation(self) -> str:
+    """An einsum layer's equation, given at construction or per call."""
+    return {**dict(self.kwargs), **dict(self.call)}["einsum_str"]
 
   @property
   def has_bias(self) -> bool:
     return dict(self.kwargs).get("use_bias", True)
 
 
-def branch(name, kind, x_shape, lead=0, **kwargs):
-  return Branch(name, kind, tuple(x_shape), tuple(sorted(kwargs.items())), lead)
+def branch(name, kind, x_shape, lead=0, call=None, **kwargs):
+  return Branch(name, kind, tuple(x_shape), tuple(sorted(kwargs.items())), lead,
+                tuple(sorted((call or {}).items())))
 
 
 class BranchNet(nn.Module):
@@ -180,7 +193,7 @@ class BranchNet(nn.Module):
   def __call__(self, xs):
     hidden = []
     for b in self.branches:
-      s = b.layer(name=b.name)(jnp.moveaxis(xs[b.name], 0, b.lead))
+      s = b.layer(name=b.name)(jnp.moveaxis(xs[b.name], 0, b.lead), **dict(b.call))
       hidden.append(jnp.tanh(jnp.moveaxis(s, b.lead, 0)).reshape(BATCH, -1))
     return nn.Dense(CLASSES, name="head")(jnp.concatenate(hidden, axis=-1))
 
@@ -190,10 +203,12 @@ def nnx_layer(b: Branch, rngs: nnx.Rngs) -> nnx.Module:
   them)."""
   kwargs = dict(b.kwargs)
   if b.kind == "einsum":
-    _, kernel_labels, out_labels = einsum_operands(kwargs["einsum_str"], len(b.x_shape))
+    _, kernel_labels, out_labels = einsum_operands(b.equation, len(b.x_shape))
     sizes = dict(zip(kernel_labels, kwargs["shape"]))
     bias_shape = tuple(sizes[c] for c in out_labels if c in sizes)
-    return nnx.Einsum(kwargs["einsum_str"], kwargs["shape"],
+    # An equation given per call overrides NNX's required one: here one that
+    # sums over the output's last label, which K-FAC would not capture.
+    return nnx.Einsum(kwargs.get("einsum_str", b.equation[:-1]), kwargs["shape"],
                       bias_shape if b.has_bias else None, rngs=rngs)
   features = kwargs.pop("features")
   shape = np.moveaxis(np.empty(b.x_shape), 0, b.lead).shape  # as the layer sees it
@@ -220,7 +235,7 @@ class NNXBranchNet(nnx.Module):
   def __call__(self, xs):
     hidden = []
     for b in self.branches:
-      s = getattr(self, b.name)(jnp.moveaxis(xs[b.name], 0, b.lead))
+      s = getattr(self, b.name)(jnp.moveaxis(xs[b.name], 0, b.lead), **dict(b.call))
       hidden.append(jnp.tanh(jnp.moveaxis(s, b.lead, 0)).reshape(BATCH, -1))
     return self.head(jnp.concatenate(hidden, axis=-1))
 
@@ -230,7 +245,7 @@ def branch_forward(branches, params, xs, perturbations):
   hidden = []
   for b in branches:
     moved = jnp.moveaxis(xs[b.name], 0, b.lead)
-    s = b.layer().apply({"params": params[b.name]}, moved) + perturbations[b.name]
+    s = b.apply(params[b.name], moved) + perturbations[b.name]
     hidden.append(jnp.tanh(jnp.moveaxis(s, b.lead, 0)).reshape(BATCH, -1))
   h = jnp.concatenate(hidden, axis=-1)
   logits = h @ params["head"]["kernel"] + params["head"]["bias"]
@@ -257,8 +272,7 @@ class Reference(NamedTuple):
 @functools.partial(jax.jit, static_argnums=0)
 def branch_reference(branches, params, xs, y):
   inputs = {b.name: jnp.moveaxis(xs[b.name], 0, b.lead) for b in branches}
-  outputs = {b.name: b.layer().apply({"params": params[b.name]}, inputs[b.name])
-             for b in branches}
+  outputs = {b.name: b.apply(params[b.name], inputs[b.name]) for b in branches}
   zeros = {name: jnp.zeros_like(s) for name, s in outputs.items()}
   zeros["head"] = jnp.zeros((BATCH, CLASSES))
 
@@ -272,9 +286,8 @@ def branch_reference(branches, params, xs, y):
 
   jacobians = {}
   for b in branches:  # the layer is linear in its kernel: ∂y/∂W holds the rows
-    plain, x = b.layer(use_bias=False), inputs[b.name]
     jacobians[b.name] = jax.jacfwd(
-        lambda k, plain=plain, x=x: plain.apply({"params": {"kernel": k}}, x))(
+        lambda k, b=b: b.apply({"kernel": k}, inputs[b.name], use_bias=False))(
             params[b.name]["kernel"])
   return error, Reference(inputs, outputs, head_input, output_grads, jacobians)
 
@@ -599,6 +612,8 @@ EINSUM_BRANCHES = (
     branch("stack_last_in_kernel", "einsum", (BATCH, 3, 4), shape=(4, 2, 3),
            einsum_str="bhd,dkh->bkh"),
     branch("ellipsis", "einsum", (BATCH, 3, 4), shape=(4, 2), einsum_str="...d,dk->...k"),
+    branch("per_call", "einsum", (BATCH, 3, 4), shape=(4, 2, 3),
+           call={"einsum_str": "btd,dkh->bkth"}),
 )
 EINSUM_CASES = {b.name: b for b in EINSUM_BRANCHES}
 
@@ -616,7 +631,7 @@ def test_einsum_matches_brute_force(case, api):
   b = EINSUM_CASES[case]
   family = run_family(EINSUM_BRANCHES, api)
   ref, params, grads = family.reference, family.params[b.name], family.grads[b.name]
-  x, kernel, y = einsum_operands(dict(b.kwargs)["einsum_str"], len(b.x_shape))
+  x, kernel, y = einsum_operands(b.equation, len(b.x_shape))
   stack = "".join(c for c in kernel if c in x and c in y)
   contracted = "".join(c for c in kernel if c in x and c not in y)
   features = "".join(c for c in kernel if c in y and c not in x)
@@ -664,14 +679,16 @@ def test_einsum_layout_rows_and_round_trips():
   from their matrices."""
   rng = np.random.default_rng(0)
   for b in EINSUM_BRANCHES:
-    layer = b.layer()
+    layer, call = b.layer(), dict(b.call)
     x = jnp.asarray(rng.normal(size=np.moveaxis(np.empty(b.x_shape), 0, b.lead).shape),
                     jnp.float32)
-    variables = layer.init(jax.random.key(0), x)
-    params, y = variables["params"], layer.apply(variables, x)
-    layout = kfac_optax.layers.kind_of(layer).layout(layer, x, y)
+    variables = layer.init(jax.random.key(0), x, **call)
+    params, y = variables["params"], layer.apply(variables, x, **call)
+    kind = kfac_optax.layers.kind_of(layer)
+    layout = kind.layout(kfac_optax.layers.configured(kind, layer, (x,), call), x, y)
     bias = layout.bias_matrix(params["bias"]) if b.has_bias else 0.0
-    for xs, ys in ((x, y), (jnp.stack([x, -x]), jnp.stack([y, layer.apply(variables, -x)]))):
+    minus_y = layer.apply(variables, -x, **call)
+    for xs, ys in ((x, y), (jnp.stack([x, -x]), jnp.stack([y, minus_y]))):
       rows = layout.input_rows(xs) @ layout.kernel_matrix(params["kernel"])
       np.testing.assert_allclose(rows + (bias if np.ndim(bias) == 0 else bias[:, None]),
                                  layout.output_rows(ys[None]), atol=1e-5, err_msg=b.name)
@@ -684,15 +701,46 @@ def test_einsum_layout_rows_and_round_trips():
           layout.bias_from_matrix(layout.bias_matrix(params["bias"])), params["bias"])
 
 
-def test_einsum_with_its_equation_given_per_call_falls_back():
-  """The layout is read from the module's einsum_str; an equation passed to
-  each call, or one that sums over a label of one operand, is the diagonal
-  fallback's."""
-  per_call = nn.Einsum((4, 3))
-  summed = nn.Einsum((4, 3), "btd,dk->bk")
-  assert kfac_optax.layers.kind_of(per_call) is None
-  assert kfac_optax.layers.kind_of(summed) is None
-  assert kfac_optax.layers.kind_of(nn.Einsum((4, 3), "btd,dk->btk")) is not None
+class SummingEinsums(nn.Module):
+  """Einsums that sum over a label of one operand (t), whether the equation
+  is given at construction or per call."""
+
+  @nn.compact
+  def __call__(self, x):
+    summed = "btd,dk->bk"
+    a = nn.Einsum((4, 3), summed, name="at_construction")(x)
+    b = nn.Einsum((4, 3), name="per_call")(x, einsum_str=summed)
+    return nn.Dense(CLASSES, name="head")(jnp.tanh(jnp.concatenate([a, b], -1)))
+
+
+def test_einsum_summing_over_a_label_uses_the_diagonal_block():
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(BATCH, 3, 4)), jnp.float32)
+  model = SummingEinsums()
+  assert_diagonal_fallback(
+      model, random_params(model, x, seed=2), (x, labels(1)),
+      {f"{layer}/{leaf}": (layer, leaf) for layer in ("at_construction", "per_call")
+       for leaf in ("kernel", "bias")})
+
+
+class TwoEquations(nn.Module):
+  """One nn.Einsum called with an equation K-FAC expresses and one it does
+  not: its block would miss the second call's curvature."""
+
+  @nn.compact
+  def __call__(self, x):
+    layer = nn.Einsum((4, 3), name="twice")
+    both = layer(x, "btd,dk->btk").sum(1) + layer(x, "btd,dk->bk")
+    return nn.Dense(CLASSES, name="head")(both)
+
+
+def test_an_einsum_called_with_a_captured_and_an_uncaptured_equation_is_an_error():
+  x = jnp.zeros((BATCH, 3, 4))
+  model = TwoEquations()
+  params = model.init(jax.random.key(0), x)["params"]
+  tx = kfac_optax.scale_by_kfac(model.apply, LOSS, example_batch=(x, labels(1)))
+  with pytest.raises(ValueError, match="the layer at 'twice' is called with inputs that "
+                     "need different curvature layouts"):
+    tx.init(params)
 
 
 # --------------------------------------------------------------------------

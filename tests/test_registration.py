@@ -10,6 +10,7 @@ layer output; factors and damped Kronecker solves are numpy (brute_force).
 """
 
 import warnings
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -252,28 +253,55 @@ class Projection(nn.Module):
                                                      self.shape))
 
 
-def test_einsum_kind_with_a_param_name_is_the_flax_einsum_block():
+class GemmaEinsum(nn.Module):
+  """Gemma's einsum layer: the equation is the call's first argument."""
+  shape: tuple
+
+  @nn.compact
+  def __call__(self, eqn, x):
+    return jnp.einsum(eqn, x, self.param("w", nn.initializers.normal(), self.shape))
+
+
+class MeanOver(nn.Module):
+  """``call(layer, x)`` averaged over its last axis."""
+  layer: nn.Module
+  call: Any = lambda layer, x: layer(x)
+
+  def __call__(self, x):
+    return self.call(self.layer, x).mean(-1)
+
+
+EQUATION, EINSUM_SHAPE = "bd,dhk->bkh", (4, 3, 3)
+ZOO_EINSUMS = {
+    "equation_an_attribute": (Projection, {},
+                              lambda: MeanOver(Projection(EQUATION, EINSUM_SHAPE))),
+    "equation_per_call_first": (
+        GemmaEinsum, {"equation": "eqn"},
+        lambda: MeanOver(GemmaEinsum(EINSUM_SHAPE), lambda layer, x: layer(EQUATION, x))),
+}
+
+
+@pytest.mark.parametrize("style", list(ZOO_EINSUMS))
+def test_einsum_kind_with_a_param_name_is_the_flax_einsum_block(style):
   rng = np.random.default_rng(3)
   x = jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)
   batch = (x, jnp.asarray(rng.integers(0, 3, 6), jnp.int32))
-  equation, shape = "bd,dhk->bkh", (4, 3, 3)
-  grads = {"w": random_tree({"w": jnp.zeros(shape)}, 5)["w"]}
-  kernel = random_tree({"w": jnp.zeros(shape)}, 4)["w"]
+  grads = {"w": random_tree({"w": jnp.zeros(EINSUM_SHAPE)}, 5)["w"]}
+  kernel = random_tree({"w": jnp.zeros(EINSUM_SHAPE)}, 4)["w"]
 
-  kfac_optax.register_layer(Projection, "einsum", kernel="w", bias=None)
-  def update(layer, p, g):
-    model = nn.Sequential([layer, lambda h: h.mean(-1)])
+  module_class, options, model = ZOO_EINSUMS[style]
+  kfac_optax.register_layer(module_class, "einsum", kernel="w", bias=None, **options)
+  def update(model, p, g):
     tx = kfac_optax.scale_by_kfac(model.apply, LOSS, example_batch=batch,
                                   estimation="empirical", damping=DAMPING)
     return jax.jit(lambda p, g: tx.update(g, tx.init(p), p, batch=batch))(p, g)
-  out, state = update(Projection(equation, shape), {"layers_0": {"w": kernel}},
-                      {"layers_0": grads})
-  expected, expected_state = update(nn.Einsum(shape, equation, use_bias=False),
-                                    {"layers_0": {"kernel": kernel}},
-                                    {"layers_0": {"kernel": grads["w"]}})
-  assert state.factors["layers_0"].a.shape == (1, 4, 4)
+  out, state = update(model(), {"layer": {"w": kernel}}, {"layer": grads})
+  expected, expected_state = update(
+      MeanOver(nn.Einsum(EINSUM_SHAPE, EQUATION, use_bias=False)),
+      {"layer": {"kernel": kernel}}, {"layer": {"kernel": grads["w"]}})
+  assert state.factors["layer"].a.shape == (1, 4, 4)
   assert bf.relative_error(state.factors, expected_state.factors) < 1e-5
-  assert bf.relative_error(out["layers_0"]["w"], expected["layers_0"]["kernel"]) < 1e-5
+  assert bf.relative_error(out["layer"]["w"], expected["layer"]["kernel"]) < 1e-5
 
 
 def test_tied_head_without_declaration_warns_once_and_still_trains():
@@ -336,6 +364,10 @@ def test_wrong_tied_embeddings_are_init_errors(tied, message):
     ((Conv1D, conv1d_layout), {"bias": None}, ValueError,
      "register_layer: kernel=, bias= and kernel_layout= go with a kind name; a "
      "layout function sets them on the layout it returns"),
+    ((Conv1D, "dense"), {"equation": "eqn"}, ValueError,
+     "register_layer: equation= applies to the kind 'einsum', not 'dense'"),
+    ((Conv1D, "einsum"), {"equation": "eqn"}, ValueError,
+     "register_layer: equation='eqn' names no argument of FlaxConv1D.__call__"),
 ])
 def test_register_layer_rejects_bad_arguments(args, kwargs, error, message):
   with pytest.raises(error) as raised:
