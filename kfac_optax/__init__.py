@@ -7,6 +7,7 @@ from kfac_optax import summary
 from kfac_optax.adaptive import norm_constraint
 from kfac_optax.blocks import KroneckerFactors
 from kfac_optax.curvature import Curvature
+from kfac_optax.curvature import model_rngs
 from kfac_optax.layers import register_layer
 from kfac_optax.summary import FallbackWarning
 from kfac_optax.train_state import TrainState
@@ -28,6 +29,7 @@ __all__ = [
     "kfac",
     "layouts",
     "losses",
+    "model_rngs",
     "norm_constraint",
     "register_layer",
     "scale_by_kfac",

@@ -107,9 +107,10 @@ def _key(path: Path) -> str:
   return "/".join(path)
 
 
-def flatten(tree: Any) -> tuple[dict[Path, Any], Any]:
+def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None
+            ) -> tuple[dict[Path, Any], Any]:
   """A tree -> ({leaf path: leaf}, treedef), leaf paths as tuples of str."""
-  pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
   def name(entry):
     for attribute in ("key", "name", "idx"):
       if hasattr(entry, attribute):
@@ -135,8 +136,8 @@ _BATCH_FIX = (
     "keywords go in apply_kwargs=, and other variable collections (e.g. "
     "batch_stats) in update(..., variables=...).")
 _CALLED_AS = (
-    "apply_fn(variables, *inputs(batch), mutable=..., rngs={'dropout': key, "
-    "'params': key2}, **apply_kwargs)")
+    "apply_fn(variables, *inputs(batch), mutable=..., "
+    "rngs=kfac_optax.model_rngs(key), **apply_kwargs)")
 
 
 def _is_array(value: Any) -> bool:
@@ -232,18 +233,22 @@ def _check_not_masked(params: Any) -> None:
   ``optax.masked``, ``optax.multi_transform`` and ``optax.partition`` hand
   their members the params with every other leaf replaced by
   ``optax.MaskedNode``; K-FAC re-runs the whole model, which needs them all.
+  The fix names the hidden leaves' modules as ``layer_overrides`` patterns.
   """
-  nodes = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
-  if any(isinstance(node, optax.MaskedNode) for node in nodes):
+  is_node = lambda x: isinstance(x, optax.MaskedNode)
+  hidden = sorted({_key(path[:-1]) for path, leaf in
+                   flatten(params, is_leaf=is_node)[0].items() if is_node(leaf)})
+  if hidden:
+    shown = {name: "skip" for name in hidden[:4]}
+    more = f" (and {len(hidden) - 4} more modules)" if len(hidden) > 4 else ""
     raise ValueError(
         "scale_by_kfac/kfac got params with optax.MaskedNode entries: it runs "
         "inside optax.masked, optax.multi_transform or optax.partition, which "
         "hide the other params from it, but K-FAC re-runs the whole model.\n"
-        "Fix: give K-FAC all params and leave layers to other transformations "
-        "with layer_overrides={'their/path/*': 'skip'} (their gradients pass "
-        "through unpreconditioned), e.g. optax.chain(scale_by_kfac(..., "
-        "layer_overrides={'head/*': 'skip'}), optax.masked(optax.scale_by_adam(), "
-        "head_mask), optax.scale(-lr)).")
+        "Fix: give K-FAC all params and let it skip the hidden layers for the "
+        "other transformations (their gradients pass through unpreconditioned), "
+        f"e.g. optax.chain(scale_by_kfac(..., layer_overrides={shown!r}{more}), "
+        "optax.masked(optax.scale_by_adam(), their_mask), optax.scale(-lr)).")
 
 
 def _check_real_floating(flat_params: dict[Path, Any]) -> None:
@@ -372,6 +377,20 @@ def on_schedule(period: Any, count: jax.Array, refresh: Callable[[Any], Any],
   return jax.lax.cond(count % period == 0, refresh, lambda c: c, current)
 
 
+def model_rngs(rng: jax.Array) -> dict[str, jax.Array]:
+  """The ``rngs`` K-FAC's passes give a linen ``apply_fn`` for the key ``rng``.
+
+  ``"dropout"`` gets ``rng`` and ``"params"`` a key folded from it, which
+  flax's ``make_rng`` falls back to for every other stream (stochastic
+  depth's, a VAE's noise). Take your gradient with
+  ``model.apply(..., rngs=kfac_optax.model_rngs(key))`` and pass
+  ``rng=key`` to ``update``: `kfac`'s automatic mode then measures the loss
+  change under the very noise your gradient saw, as its quadratic model
+  assumes.
+  """
+  return {"dropout": rng, "params": jax.random.fold_in(rng, 1)}
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Curvature:
   """The K-FAC curvature of a flax model; see `transform.scale_by_kfac`.
@@ -456,7 +475,7 @@ class Curvature:
           "apply_kwargs must not hold 'rngs': K-FAC's pass draws its own "
           "randomness from update's rng= (it seeds 'dropout' and, through "
           "flax's fallback to 'params', every other stream), as the user's "
-          "step draws its own.")
+          f"step draws its own.{self._nnx_rngs_fix()}")
     for source, target in (self.tied_embeddings or {}).items():
       if not (isinstance(source, str) and isinstance(target, str)):
         raise TypeError(
@@ -478,13 +497,14 @@ class Curvature:
             f"{_BATCH_FIX.format(what=what)}") from error
     return found if isinstance(found, tuple) else (found,)
 
+  def _nnx_rngs_fix(self) -> str:
+    """How an NNX model gets its randomness ("" for a linen apply_fn)."""
+    is_nnx = isinstance(self.apply_fn, nnx_capture.NNXModel)
+    return f" {nnx_capture.CALL_RNGS_FIX}" if is_nnx else ""
+
   def _call_kwargs(self, rng: jax.Array | None) -> dict[str, Any]:
-    """``rngs``: the step's key seeds ``"dropout"`` and, through flax's
-    fallback to ``"params"``, every other stream the model draws from
-    (stochastic depth's, a VAE's noise)."""
     key = jax.random.key(0) if rng is None else rng
-    return {**(self.apply_kwargs or {}),
-            "rngs": {"dropout": key, "params": jax.random.fold_in(key, 1)}}
+    return {**(self.apply_kwargs or {}), "rngs": model_rngs(key)}
 
   def _model_output(self, out: Any) -> jax.Array:
     """The array the loss reads from apply_fn's return value (``outputs=``).
@@ -579,10 +599,11 @@ class Curvature:
         jax.eval_shape(lambda v, a: self.apply_fn(
             v, *a, mutable=mutable, **call_kwargs), variables, args)
       except Exception:  # the model fails on its own: the batch's structure
+        fix = (self._nnx_rngs_fix() if "rngs" in str(error)
+               else "") or _BATCH_FIX.format(what=what)
         raise ValueError(
             f"scale_by_kfac could not run apply_fn on {what}: "
-            f"{type(error).__name__}: {error}\nFix: "
-            f"{_BATCH_FIX.format(what=what)}") from error
+            f"{type(error).__name__}: {error}\nFix: {fix.strip()}") from error
       fix = "" if "Fix:" in str(error) else (
           "\nFix: a layer given to kfac_optax.register_layer must be "
           "registered with the kind of its computation, and any captured "

@@ -263,19 +263,30 @@ class NNXModel:
           f"{'; '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}.\nFix: "
           "pass the model's params, nnx.state(model, nnx.Param) (as "
           "nnx.Optimizer(model, tx, wrt=nnx.Param) does), unchanged in "
-          "structure and shapes.")
+          "structure and shapes: K-FAC runs the model, which needs them all. "
+          "To train some layers only (wrt=nnx.LoRAParam), give it all params "
+          "and freeze the others with layer_overrides={'their/path': 'skip'} "
+          "and optax.masked(optax.set_to_zero(), frozen_mask) after it (the "
+          "README's \"Flax NNX\" has the recipe).")
 
   def _streams(self, rng: jax.Array | None) -> Any:
-    """The model's random streams, every key drawn from ``rng``, counts 0."""
+    """The model's random streams, every key drawn from ``rng``, counts 0.
+
+    A stream's key keeps its shape: a layer stack made by ``nnx.vmap`` over
+    split Rngs holds one key per layer, which ``nnx.scan`` slices.
+    """
     if rng is None:
       return self.rng_state
     if not jnp.issubdtype(jnp.result_type(rng), jax.dtypes.prng_key):
       rng = jax.random.wrap_key_data(rng)
+
+    def fresh(i, leaf):
+      if not jnp.issubdtype(jnp.result_type(leaf), jax.dtypes.prng_key):
+        return jnp.zeros_like(leaf)
+      key = jax.random.fold_in(rng, i)
+      return jax.random.split(key, leaf.shape) if leaf.shape else key
     leaves, treedef = jax.tree.flatten(self.rng_state)
-    return treedef.unflatten([
-        jax.random.fold_in(rng, i)
-        if jnp.issubdtype(jnp.result_type(leaf), jax.dtypes.prng_key)
-        else jnp.zeros_like(leaf) for i, leaf in enumerate(leaves)])
+    return treedef.unflatten([fresh(i, leaf) for i, leaf in enumerate(leaves)])
 
   def __call__(self, variables: dict, *args: Any, mutable: Any = False,
                rngs: dict[str, jax.Array] | None = None, **kwargs: Any) -> Any:
@@ -343,6 +354,15 @@ class NNXModel:
     """`capture.discover` for this model: one abstract run under the hooks."""
     kwargs = {k: v for k, v in apply_kwargs.items() if k != "rngs"}
     return self._trace(variables, args, kwargs)[0]
+
+
+CALL_RNGS_FIX = (
+    "An NNX model draws its randomness from the nnx.Rngs it holds, which "
+    "K-FAC's copy re-seeds from update's rng=; for a model that takes rngs "
+    "as a call argument, give kfac and nnx.Optimizer a module that holds "
+    "one and passes it, e.g. class Train(nnx.Module): def __init__(self, "
+    "net): self.net, self.rngs = net, nnx.Rngs(dropout=0); def __call__(self, "
+    "x): return self.net(x, rngs=self.rngs).")
 
 
 def _shapes(params: Any) -> dict[str, tuple[int, ...]]:

@@ -45,7 +45,11 @@ def _check_update_args(curvature: Curvature, grads, batch, params, rng, name: st
     raise TypeError(
         f"{name}'s update needs the training batch: call "
         "tx.update(grads, state, params, batch=batch, rng=rng), or "
-        "kfac_optax.TrainState.apply_gradients(grads=..., batch=..., rng=...)")
+        "kfac_optax.TrainState.apply_gradients(grads=..., batch=..., rng=...). "
+        "If you did, a wrapper between you and it dropped them: one that is "
+        "not an optax.GradientTransformationExtraArgs, such as an "
+        "optax.MultiSteps inside optax.chain (put the chain inside "
+        "MultiSteps instead: MultiSteps(optax.chain(..., kfac(...)), k)).")
   if params is None:
     raise TypeError(f"{name}'s update needs params: "
                     "tx.update(grads, state, params, batch=batch, rng=rng)")
@@ -198,8 +202,9 @@ def scale_by_kfac(
     inputs: batch -> apply_fn's positional input (or tuple of them);
       default ``batch[0]`` for tuple/list batches. ``apply_fn`` is called as
       ``apply_fn({"params": params, **variables}, *inputs(batch),
-      mutable=..., rngs={"dropout": key, "params": key'}, **apply_kwargs)``
-      (``"params"``: flax's fallback for every other random stream).
+      mutable=..., rngs=kfac_optax.model_rngs(key), **apply_kwargs)``
+      (``"dropout"`` and ``"params"``, flax's fallback for every other
+      random stream).
     outputs: apply_fn's return value -> the array the loss reads, for models
       that return a dict or a dataclass (e.g. ``lambda out: out["logits"]``,
       or ``lambda out: out.logits`` for a Hugging Face ``ModelOutput``);

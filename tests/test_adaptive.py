@@ -245,17 +245,25 @@ def test_adaptive_damping_falls_when_the_model_is_accurate():
 
 
 class DropoutMLP(nn.Module):
+  noise: float = 0.0  # the std of Gaussian noise from a stream of its own
+
   @nn.compact
   def __call__(self, x):
     h = nn.Dropout(0.3, deterministic=False)(jnp.tanh(nn.Dense(16)(x)))
+    if self.noise:
+      h = h + self.noise * jax.random.normal(self.make_rng("noise"), h.shape)
     return nn.Dense(3)(h)  # tiny_problem's classes
 
 
-def test_with_dropout_the_gradients_key_as_rng_gives_the_loss_change_the_model_predicts():
-  """ρ compares the loss change under K-FAC's masks (drawn from ``rng``) with
-  a model built on the user's gradient: the same key for both gives ρ ≈ 1 at
-  small steps, another key a ρ well below (the README's advice)."""
-  model = DropoutMLP()
+@pytest.mark.parametrize("model, gradient_rngs", [
+    (DropoutMLP(), lambda key: {"dropout": key}),
+    (DropoutMLP(noise=0.3), kfac_optax.model_rngs)], ids=["dropout", "dropout+noise"])
+def test_the_gradients_key_as_rng_gives_the_loss_change_the_model_predicts(
+    model, gradient_rngs):
+  """ρ compares the loss change under K-FAC's noise (drawn from ``rng``) with
+  a model built on the user's gradient: the gradient's noise drawn from the
+  same key as ``rng`` (``model_rngs`` for streams other than dropout) gives
+  ρ ≈ 1 at small steps, another key a ρ well below (the README's advice)."""
   params = model.init(jax.random.key(0), BATCH[0])["params"]
   tx = kfac_optax.kfac(model.apply, LOSS, example_batch=BATCH, damping=10.0,
                        damping_adaptation_interval=1)
@@ -263,7 +271,8 @@ def test_with_dropout_the_gradients_key_as_rng_gives_the_loss_change_the_model_p
   @jax.jit
   def step(p, state, key, gradient_key):
     grads = jax.grad(lambda p: LOSS.value(
-        model.apply({"params": p}, BATCH[0], rngs={"dropout": gradient_key}), BATCH))(p)
+        model.apply({"params": p}, BATCH[0], rngs=gradient_rngs(gradient_key)),
+        BATCH))(p)
     updates, state = tx.update(grads, state, p, batch=BATCH, rng=key)
     return optax.apply_updates(p, updates), state
 

@@ -280,6 +280,40 @@ def test_nnx_optimizer_under_nnx_jit_compiles_once_and_trains():
   assert int(kfac_optax.stats(optimizer.opt_state)["rejected_statistics"]) == 0
 
 
+def test_frozen_layers_stay_put_and_the_others_get_their_kfac_updates():
+  """The README's recipe for training some layers: K-FAC skips the frozen
+  one and a mask zeroes it inside the norm constraint, so the others get
+  their K-FAC directions clipped by their own Fisher norm alone."""
+  model = NNXTiny(nnx.Rngs(0))
+  batch = (jax.random.normal(jax.random.key(1), (6, 5)), jnp.arange(6) % 3)
+  frozen = lambda params: jax.tree_util.tree_map_with_path(
+      lambda path, _: path[0].key == "hidden", params)
+  lr, clip = 0.1, 1e-4
+  params = nnx_capture.pure(nnx.state(model, nnx.Param))
+  grads = nnx.to_pure_dict(random_like(nnx.state(model, nnx.Param), 7))
+
+  def update(tx):
+    updates, _ = jax.jit(lambda g: tx.update(g, tx.init(params), params, batch=batch,
+                                             rng=jax.random.key(0)))(nnx.State(grads))
+    return nnx.to_pure_dict(updates)
+  kfac = lambda **overrides: kfac_optax.scale_by_kfac(
+      model, LOSS, example_batch=batch, damping=DAMPING, **overrides)
+  directions = update(kfac())  # v = F̂⁻¹ g, every layer
+  trained = update(optax.chain(kfac_optax.norm_constraint(optax.chain(
+      kfac(layer_overrides={"hidden": "skip"}),
+      optax.masked(optax.set_to_zero(), frozen)), clip, lr), optax.scale(-lr)))
+  kept = [k for k in directions if k != "hidden"]
+  v_g = sum(float(np.vdot(directions[k][n], grads[k][n])) for k in kept
+            for n in directions[k])
+  scale = min(1.0, np.sqrt(clip / (lr**2 * v_g)))
+  assert scale < 0.5  # the clipping binds
+  for name, leaf in directions["hidden"].items():
+    np.testing.assert_array_equal(trained["hidden"][name], np.zeros_like(leaf))
+  for k in kept:
+    for name, leaf in directions[k].items():
+      np.testing.assert_allclose(trained[k][name], -lr * scale * np.asarray(leaf),
+                                 rtol=1e-4, atol=1e-7)
+
 def test_raw_optax_over_nnx_split_state():
   model = NNXNet(nnx.Rngs(0))
   batch = net_batch(2)
@@ -341,6 +375,47 @@ def test_dropout_comes_from_rng_and_the_model_is_untouched():
   # Params, batch statistics and the Rngs' keys and counters as they were.
   jax.tree.map(np.testing.assert_array_equal, before, snapshot(model))
   assert type(model.conv) is nnx.Conv and type(model.bn) is nnx.BatchNorm
+
+
+class CallRngsNet(nnx.Module):
+  """Dropout that takes its rngs as a call argument (it holds none)."""
+
+  def __init__(self, rngs):
+    self.hidden = nnx.Linear(5, 4, rngs=rngs)
+    self.drop = nnx.Dropout(0.5)
+    self.out = nnx.Linear(4, 3, rngs=rngs)
+
+  def __call__(self, x, rngs=None):
+    return self.out(self.drop(jnp.tanh(self.hidden(x)), deterministic=False, rngs=rngs))
+
+
+class HoldsRngs(nnx.Module):
+  """The fix the error names: a module that holds the Rngs and passes them."""
+
+  def __init__(self, net):
+    self.net, self.rngs = net, nnx.Rngs(dropout=0)
+
+  def __call__(self, x):
+    return self.net(x, rngs=self.rngs)
+
+
+def test_a_model_taking_rngs_per_call_is_told_to_hold_them():
+  net = CallRngsNet(nnx.Rngs(0))
+  batch = (jax.random.normal(jax.random.key(1), (6, 5)), jnp.arange(6) % 3)
+  fix = "for a model that takes rngs as a call argument, give kfac and nnx.Optimizer"
+  tx = kfac_optax.kfac(net, LOSS, example_batch=batch, learning_rate=0.1)
+  with pytest.raises(ValueError, match="no `rngs` argument was provided(.|\n)*" + fix):
+    tx.init(nnx.state(net, nnx.Param))
+  with pytest.raises(ValueError, match="apply_kwargs must not hold 'rngs'.*" + fix):
+    kfac_optax.kfac(net, LOSS, example_batch=batch, apply_kwargs={"rngs": nnx.Rngs(0)})
+  model = HoldsRngs(net)
+  curvature = kfac_optax.Curvature(model, LOSS, example_batch=batch)
+  params = nnx_capture.pure(nnx.state(model, nnx.Param))
+  factors = jax.jit(lambda key: curvature.update(
+      curvature.init(params), params, batch=batch, rng=key, damping=DAMPING).factors)
+  masked = factors(jax.random.key(2))["net/out"]
+  assert bf.relative_error(factors(jax.random.key(3))["net/out"],
+                           jax.tree.map(np.asarray, masked)) > 1e-3
 
 
 def test_other_state_comes_from_variables():
@@ -568,6 +643,48 @@ def test_scanned_layer_stack_gets_one_block_per_layer():
   assert bf.relative_error(stacked["embed"], looped["embed"]) < 1e-4
 
 
+class DropoutStack(nnx.Module):
+  """Two Linear + Dropout layers made by nnx.vmap over split Rngs and applied
+  by nnx.scan with their keys sliced per layer (the NNX guides' dropout stack)."""
+
+  def __init__(self, rngs):
+    @nnx.split_rngs(splits=2)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def stack(rngs):
+      return nnx.Sequential(nnx.Linear(WIDTH, WIDTH, rngs=rngs),
+                            nnx.Dropout(0.5, rngs=rngs))
+    self.layers = stack(rngs)
+    self.head = nnx.Linear(WIDTH, 3, rngs=rngs)
+
+  def __call__(self, h):
+    @nnx.scan(in_axes=(nnx.Carry, nnx.StateAxes({nnx.RngState: 0, ...: 0})),
+              out_axes=nnx.Carry)
+    def apply(h, layer):
+      return jnp.tanh(layer(h))
+    return self.head(apply(h, self.layers))
+
+
+def test_a_scanned_stack_draws_one_dropout_key_per_layer_from_rng():
+  model = DropoutStack(nnx.Rngs(0, dropout=1))
+  x = jax.random.normal(jax.random.key(1), (6, WIDTH))
+  batch = (x, jnp.arange(6) % 3)
+  streams = nnx_capture.NNXModel(model)._streams(jax.random.key(2))
+  keys = [k for k in jax.tree.leaves(streams)
+          if jnp.issubdtype(k.dtype, jax.dtypes.prng_key)]
+  assert [k.shape for k in keys] == [
+      k.shape for k in jax.tree.leaves(nnx_capture.pure(nnx.state(model, nnx.RngState)))
+      if jnp.issubdtype(k.dtype, jax.dtypes.prng_key)]
+  stacked, = [k for k in keys if k.shape == (2,)]
+  assert not np.array_equal(*jax.random.key_data(stacked))
+  curvature = kfac_optax.Curvature(model, LOSS, example_batch=batch)
+  params = nnx_capture.pure(nnx.state(model, nnx.Param))
+  factors = jax.jit(lambda key: curvature.update(
+      curvature.init(params), params, batch=batch, rng=key, damping=DAMPING).factors)
+  same, other = factors(jax.random.key(3)), factors(jax.random.key(4))
+  jax.tree.map(np.testing.assert_array_equal, same, factors(jax.random.key(3)))
+  assert bf.relative_error(other["head"], jax.tree.map(np.asarray, same["head"])) > 1e-3
+
+
 # -- data parallel ----------------------------------------------------------------
 
 class DenseNet(nnx.Module):
@@ -615,7 +732,11 @@ def test_params_that_do_not_fit_the_model_are_named():
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   fix = ("\nFix: pass the model's params, nnx.state(model, nnx.Param) (as "
          "nnx.Optimizer(model, tx, wrt=nnx.Param) does), unchanged in structure "
-         "and shapes.")
+         "and shapes: K-FAC runs the model, which needs them all. To train some "
+         "layers only (wrt=nnx.LoRAParam), give it all params and freeze the "
+         "others with layer_overrides={'their/path': 'skip'} and "
+         "optax.masked(optax.set_to_zero(), frozen_mask) after it (the README's "
+         "\"Flax NNX\" has the recipe).")
   with pytest.raises(ValueError) as error:
     tx.init({**params, "extra": {"w": jnp.ones(2)}, "out": {"kernel": jnp.ones((3, 4))}})
   assert str(error.value) == (
