@@ -65,9 +65,10 @@ def uncaptured(kind: Any, args: tuple, kwargs: dict) -> Uncaptured:
   return Uncaptured(tuple(sorted(kind.call_settings(args, kwargs).items())))
 
 
-class ParamsError(ValueError):
-  """Params that do not fit the model, found by a front-end's own check (an
-  NNX model's); its message names the cause and the fix."""
+class ModelError(ValueError):
+  """A model or params that a front-end's own check rejects (an NNX model's
+  params that do not fit it, randomness it cannot get); its message names
+  the cause and the fix."""
 
 
 class _Sink(nn.Module):

@@ -475,7 +475,7 @@ class Curvature:
           "apply_kwargs must not hold 'rngs': K-FAC's pass draws its own "
           "randomness from update's rng= (it seeds 'dropout' and, through "
           "flax's fallback to 'params', every other stream), as the user's "
-          f"step draws its own.{self._nnx_rngs_fix()}")
+          f"step draws its own. {nnx_capture.CALL_RNGS_FIX}")
     for source, target in (self.tied_embeddings or {}).items():
       if not (isinstance(source, str) and isinstance(target, str)):
         raise TypeError(
@@ -496,11 +496,6 @@ class Curvature:
             f"{type(error).__name__}: {error}\nFix: "
             f"{_BATCH_FIX.format(what=what)}") from error
     return found if isinstance(found, tuple) else (found,)
-
-  def _nnx_rngs_fix(self) -> str:
-    """How an NNX model gets its randomness ("" for a linen apply_fn)."""
-    is_nnx = isinstance(self.apply_fn, nnx_capture.NNXModel)
-    return f" {nnx_capture.CALL_RNGS_FIX}" if is_nnx else ""
 
   def _call_kwargs(self, rng: jax.Array | None) -> dict[str, Any]:
     key = jax.random.key(0) if rng is None else rng
@@ -578,8 +573,8 @@ class Curvature:
     try:
       discovered = capture.discover(self.apply_fn, variables, args, call_kwargs,
                                     mutable)
-    except capture.ParamsError:
-      raise  # a front-end's own check of the params names cause and fix
+    except capture.ModelError:
+      raise  # a front-end's own check names cause and fix
     except Exception as error:  # re-raised with the fix named
       if isinstance(params, Mapping) and "params" in params:
         raise ValueError(
@@ -599,11 +594,10 @@ class Curvature:
         jax.eval_shape(lambda v, a: self.apply_fn(
             v, *a, mutable=mutable, **call_kwargs), variables, args)
       except Exception:  # the model fails on its own: the batch's structure
-        fix = (self._nnx_rngs_fix() if "rngs" in str(error)
-               else "") or _BATCH_FIX.format(what=what)
         raise ValueError(
             f"scale_by_kfac could not run apply_fn on {what}: "
-            f"{type(error).__name__}: {error}\nFix: {fix.strip()}") from error
+            f"{type(error).__name__}: {error}\nFix: "
+            f"{_BATCH_FIX.format(what=what)}") from error
       fix = "" if "Fix:" in str(error) else (
           "\nFix: a layer given to kfac_optax.register_layer must be "
           "registered with the kind of its computation, and any captured "

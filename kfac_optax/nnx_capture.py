@@ -258,7 +258,7 @@ class NNXModel:
               for path, shape in given.items()
               if path in self.param_shapes and shape != self.param_shapes[path]]
     if wrong:
-      raise capture.ParamsError(
+      raise capture.ModelError(
           f"the params do not match the NNX model {self.name}: "
           f"{'; '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}.\nFix: "
           "pass the model's params, nnx.state(model, nnx.Param) (as "
@@ -353,7 +353,16 @@ class NNXModel:
                apply_kwargs: dict[str, Any]) -> capture.Discovered:
     """`capture.discover` for this model: one abstract run under the hooks."""
     kwargs = {k: v for k, v in apply_kwargs.items() if k != "rngs"}
-    return self._trace(variables, args, kwargs)[0]
+    try:
+      return self._trace(variables, args, kwargs)[0]
+    except capture.ModelError:
+      raise
+    except Exception as error:  # a model that wants rngs per call, named
+      if "rngs" not in str(error):
+        raise
+      raise capture.ModelError(
+          f"the NNX model {self.name} could not run on the example batch: "
+          f"{type(error).__name__}: {error}\nFix: {CALL_RNGS_FIX}") from error
 
 
 CALL_RNGS_FIX = (
