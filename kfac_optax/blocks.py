@@ -61,7 +61,7 @@ def _output_factor(layout, output_grads, terms: losses.Terms, diagonal: bool = F
   total = 0.0
   for g in output_grads:  # g: (K, *output_shape); rows are K-major
     rows = layout.output_rows(g)
-    weights = terms.row_weights(g.shape[1:], rows.shape[1] // g.shape[0])
+    weights = terms.support().row_weights(g.shape[1:], rows.shape[1] // g.shape[0])
     total = total + _gram(rows, None if weights is None else jnp.tile(weights, g.shape[0]),
                           diagonal)
   return total / terms.count
@@ -350,7 +350,8 @@ class SeriesBlock(KroneckerBlock):
       weights = _step_weights(terms, x.shape, rows.shape[0] * rows.shape[2])
       gram, lag = _lagged_grams(rows, weights)
       a, a_lag, num_rows = a + gram, a_lag + lag, num_rows + jnp.sum(weights)
-      gram, lag = _lagged_grams(grad_rows, jnp.tile(weights, (1, dy.shape[0])))
+      support = _step_weights(terms.support(), x.shape, rows.shape[0] * rows.shape[2])
+      gram, lag = _lagged_grams(grad_rows, jnp.tile(support, (1, dy.shape[0])))
       g, g_lag = g + gram, g_lag + lag
     return SeriesFactors(a / num_rows, g / terms.count,
                          a_lag / num_rows, g_lag / terms.count)
@@ -426,11 +427,12 @@ def _step_weights(terms: losses.Terms, shape: tuple, num_rows: int) -> jax.Array
 
 
 def _lagged_grams(rows: jax.Array, weights: jax.Array):
-  """``(T, S, R, d)`` rows -> ``(Σ_t w r_t r_tᵀ, Σ_{t<T-1} w_{t+1} w_t r_{t+1} r_tᵀ)``."""
+  """``(T, S, R, d)`` rows -> ``(Σ_t w r_t r_tᵀ, Σ_{t<T-1} √(w_{t+1} w_t) r_{t+1} r_tᵀ)``
+  (the geometric mean weighs a pair as the output gradients' √w each do)."""
   rows = linalg.at_least_float32(rows)
   w = weights[:, None, :, None]
   gram = jnp.einsum("tsri,tsrj->sij", rows * w, rows, precision=_HIGHEST)
-  lag = jnp.einsum("tsri,tsrj->sij", rows[1:] * (w[1:] * w[:-1]), rows[:-1],
+  lag = jnp.einsum("tsri,tsrj->sij", rows[1:] * jnp.sqrt(w[1:] * w[:-1]), rows[:-1],
                    precision=_HIGHEST)
   return gram, lag
 
@@ -517,7 +519,7 @@ class EmbeddingBlock:
                                 has_bias=False)
     logits_diagonal = sum(
         jnp.sum(jnp.square(linalg.at_least_float32(g))
-                * _mask_like(terms, g.shape[1:])[None], tuple(range(g.ndim - 1)))
+                * _mask_like(terms.support(), g.shape[1:])[None], tuple(range(g.ndim - 1)))
         for g in logit_grads) / terms.count
     return KroneckerFactors(
         jnp.concatenate([lookup.a, logits_diagonal[None]]),
@@ -621,7 +623,7 @@ class NormBlock(DiagonalBlock):
   def statistics(self, inputs, output_grads, terms) -> dict:
     sums = {name: 0.0 for name in self.names}
     for x_hat, g in zip(inputs, output_grads):
-      mask = terms.mask_for(x_hat.shape)
+      mask = terms.support().mask_for(x_hat.shape)
       if mask is not None:  # masked positions add nothing
         g = g * mask
       x_hat = self.layout.per_example(linalg.at_least_float32(x_hat))  # (N, P, F)

@@ -21,7 +21,6 @@ import fnmatch
 import functools
 import inspect
 from typing import Any, Callable, Mapping, NamedTuple
-import warnings
 
 import flax
 import jax
@@ -547,11 +546,11 @@ class Curvature:
     unmatched = [pattern for pattern in self.layer_overrides or {}
                  if not any(fnmatch.fnmatchcase(m, pattern) for m in modules)]
     if unmatched:
-      warnings.warn(
+      summary.warn(
           f"layer_overrides patterns {unmatched} match no module path of this "
           f"model, so they change nothing. Module paths: {modules[:8]}"
           f"{' ...' if len(modules) > 8 else ''} (kfac_optax.describe(tx, params) "
-          "lists them with their blocks).", stacklevel=3)
+          "lists them with their blocks).")
 
   def _discover(self, params, batch, variables, mutable, what):
     """`capture.discover` on ``batch``; a failure is re-raised naming its cause.
@@ -692,7 +691,7 @@ class Curvature:
     dtype = linalg.curvature_dtype(params)
     plan = self._example_plan(params)
     if plan.unowned:
-      warnings.warn(_unowned_message(plan), stacklevel=3)
+      summary.warn(_unowned_message(plan))
     self._warn_unmatched_overrides(params)
     summary.warn_if_mostly_fallback(self._summary(plan, params))
     for key, block in plan.all_blocks().items():

@@ -47,7 +47,9 @@ class PredictiveLoss:
     targets: batch -> targets of the loss (default: ``batch[1]``).
     mask: batch -> which terms count (shape ``outputs.shape[:-1]``, e.g. a
       per-token padding mask), or None for all. Masked terms leave the loss,
-      its gradients and every K-FAC statistic (see `Terms`).
+      its gradients and every K-FAC statistic (see `Terms`). Non-negative
+      weights work too: the loss is ``Σ w NLL / Σ w``, and a term of weight
+      k enters every statistic as k copies of it would.
   """
 
   targets: Callable[[Batch], jax.Array] = _second_element
@@ -248,14 +250,24 @@ class Terms(NamedTuple):
   """The NLL terms of a batch, as every K-FAC statistic counts them.
 
   Attributes:
-    count: L, the number of (unmasked) terms.
-    mask: float mask over the loss's leading axes, or None. A captured array
-      whose leading axes equal the mask's shape (a layer applied per token
-      of a per-token loss, or any layer under a per-example mask) has its
-      rows weighted by it, so masked positions never enter a statistic.
+    count: L, the number of (unmasked) terms: the sum of their weights.
+    mask: float mask (or non-negative weights) over the loss's leading axes,
+      or None. A captured array whose leading axes equal the mask's shape (a
+      layer applied per token of a per-token loss, or any layer under a
+      per-example mask) has its rows weighted by it, so masked positions
+      never enter a statistic. Output gradients carry their term's weight
+      already (`output_cotangents` scales by its square root, so ``g gᵀ``
+      by the weight): their rows are weighted by the mask's `support`.
   """
   count: Any
   mask: jax.Array | None = None
+
+  def support(self) -> "Terms":
+    """These terms with the mask replaced by 1 where it is positive: the row
+    weights of output gradients."""
+    if self.mask is None:
+      return self
+    return self._replace(mask=(self.mask > 0).astype(self.mask.dtype))
 
   def mask_for(self, shape: tuple) -> jax.Array | None:
     """The mask, broadcastable to an array of ``shape`` whose leading axes it
@@ -281,8 +293,8 @@ def output_cotangents(
 ) -> jax.Array:
   """Cotangents on the model output whose backward passes give K-FAC's ``g``.
 
-  Returns an array of shape ``(K, *outputs.shape)``, zero at masked terms.
-  Back-propagating
+  Returns an array of shape ``(K, *outputs.shape)``, zero at masked terms
+  and scaled by the square root of a weighted term's weight. Back-propagating
   cotangent ``k`` gives layer output gradients ``g_k``, scaled so that every
   Fisher estimate is the plain sum ``Σ_k g_k g_kᵀ``:
 
@@ -295,7 +307,8 @@ def output_cotangents(
     ``Σ_c r_c B_c / sqrt(K)`` of those columns (independent signs per term),
     whose expected sum of outer products is ``F_out`` (Martens et al. 2012).
   """
-  mask = 1.0 if loss.mask is None else loss.batch_mask(outputs, batch)[..., None]
+  mask = 1.0 if loss.mask is None else jnp.sqrt(jnp.maximum(
+      loss.batch_mask(outputs, batch)[..., None].astype(outputs.dtype), 0))
 
   def summed_nll_grad(targets):
     return jax.grad(lambda f: jnp.sum(loss.nll(f, targets)))(outputs)
@@ -316,4 +329,5 @@ def output_cotangents(
   else:
     raise ValueError(
         f"estimation must be one of {ESTIMATIONS}, got {estimation!r}")
-  return (cotangents * mask).astype(outputs.dtype)  # masked terms: no gradient
+  # Masked terms: no gradient; weighted ones: Σ_k g gᵀ scales by the weight.
+  return (cotangents * mask).astype(outputs.dtype)

@@ -5,10 +5,12 @@ into a `Summary`: per module its block kind, factor sizes and parameter
 count, and each kind's share of the parameters; ``str(summary)`` is a table.
 `kfac_optax.describe` builds one from an optimizer, and `Curvature.init`
 warns (`FallbackWarning`) when most parameters fall to the diagonal fallback.
+`warn` gives init's warnings the user's line.
 """
 
 import dataclasses
 import math
+import sys
 import warnings
 from typing import Any, Callable, NamedTuple
 
@@ -212,6 +214,22 @@ def summarize(layers: dict[str, tuple[tuple[str, ...], Any]],
       for (module, kind), (factors, stacks, leaves) in ordered))
 
 
+# The packages between a user's call and K-FAC's warnings (tx.init runs
+# through optax's chains, jax's tracing, NNX's Optimizer).
+_LIBRARIES = ("kfac_optax", "optax", "jax", "flax")
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+  """``warnings.warn`` attributed to the first frame outside `_LIBRARIES`:
+  the user's ``tx.init`` (or ``nnx.Optimizer``) line, however deep K-FAC
+  sits in a chain."""
+  frame, level = sys._getframe(1), 2  # pylint: disable=protected-access
+  while frame.f_back is not None and (
+      frame.f_globals.get("__name__", "").partition(".")[0] in _LIBRARIES):
+    frame, level = frame.f_back, level + 1
+  warnings.warn(message, category, stacklevel=level)
+
+
 def warn_if_mostly_fallback(summary: Summary) -> None:
   """`FallbackWarning` when more than half of the parameters are in the
   diagonal fallback, naming its three largest modules."""
@@ -220,7 +238,7 @@ def warn_if_mostly_fallback(summary: Summary) -> None:
     return
   largest = ", ".join(f"'{row.path or '(root)'}' ({row.num_params:,})"
                       for row in summary.largest("fallback", 3))
-  warnings.warn(
+  warn(
       f"{share:.0%} of the parameters get only K-FAC's diagonal fallback: no "
       f"layer block captures them. Largest: {largest}. Layers under "
       "nn.map_variables (nn.WeightNorm, nn.SpectralNorm) stay there by "
@@ -228,7 +246,9 @@ def warn_if_mostly_fallback(summary: Summary) -> None:
       "in nnx.bridge.ToNNX, NNX ones in nnx.bridge.to_linen); if these "
       "are dense- or conv-like layers of your own, declare "
       "their module class with kfac_optax.register_layer to give them "
-      "Kronecker blocks. kfac_optax.describe(tx, params) lists every block. "
+      "Kronecker blocks, and write raw matmuls or einsums of self.param "
+      "kernels as nn.Dense, nn.DenseGeneral or nn.Einsum layers. "
+      "kfac_optax.describe(tx, params) lists every block. "
       "Layers meant to stay diagonal: layer_overrides={pattern: 'diagonal'} "
       "(not counted here).",
-      FallbackWarning, stacklevel=3)
+      FallbackWarning)

@@ -51,13 +51,13 @@ LOSS = kfac_optax.losses.softmax_cross_entropy(
     targets=lambda b: b["y"], mask=lambda b: b["mask"])
 
 
-def factors_for(api, model, params, data):
-  """The factors of one empirical K-FAC update of ``model`` (a `TokenNet`),
-  run in ``api`` with ``params``."""
+def factors_for(api, model, params, data, estimation="empirical"):
+  """The factors of one K-FAC update of ``model`` (a `TokenNet`), run in
+  ``api`` with ``params``."""
   twin = model_for(api, model, lambda rngs: NNXTokenNet(model.use_norm, rngs),
                    params)
   tx = kfac_optax.scale_by_kfac(twin, LOSS, example_batch=data,
-                                inputs=lambda b: b["ids"], estimation="empirical")
+                                inputs=lambda b: b["ids"], estimation=estimation)
   return jax.jit(lambda p, b: tx.update(p, tx.init(p), p, batch=b)[1].factors)(
       params, data)
 
@@ -88,6 +88,39 @@ def test_masked_statistics_equal_those_of_the_unmasked_tokens_alone(api):
   reference = factors_for(api, model, params, alone)
   for key in ("embed", "dense", "head"):
     assert bf.relative_error(masked[key], jax.tree.map(np.asarray, reference[key])) < 1e-5
+
+
+@pytest.mark.parametrize("estimation", ["empirical", "exact"])
+def test_a_terms_weight_counts_as_that_many_copies_of_it(estimation):
+  """A mask of weights: a token of weight k gives the statistics of k copies
+  of it (each a one-token sequence of weight 1), in every block."""
+  model = TokenNet(use_norm=False)
+  data = batch(1)
+  weights = jnp.where(data["mask"], jax.random.randint(jax.random.key(4), data["mask"].shape,
+                                                       1, 4), 0)
+  params = model.init(jax.random.key(9), data["ids"])["params"]
+  copies = np.repeat(np.arange(weights.size), np.asarray(weights).ravel())
+  alone = {"ids": data["ids"].ravel()[copies][:, None], "y": data["y"].ravel()[copies][:, None],
+           "mask": jnp.ones((copies.size, 1), bool)}
+  weighted = factors_for("linen", model, params, {**data, "mask": weights.astype(jnp.float32)},
+                         estimation)
+  reference = factors_for("linen", model, params, alone, estimation)
+  for key in ("embed", "dense", "head"):
+    assert bf.relative_error(weighted[key], jax.tree.map(np.asarray, reference[key])) < 1e-5
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_weights_scaled_alike_leave_the_statistics_unchanged(api):
+  """The loss Σ w NLL / Σ w does not change when every weight is halved, nor
+  does its Fisher; so no statistic may."""
+  model = TokenNet()
+  data = batch(0)
+  params = model.init(jax.random.key(9), data["ids"])["params"]
+  half = {**data, "mask": 0.5 * data["mask"].astype(jnp.float32)}
+  original = factors_for(api, model, params, data, "exact")
+  halved = factors_for(api, model, params, half, "exact")
+  for key in original:
+    assert bf.relative_error(halved[key], jax.tree.map(np.asarray, original[key])) < 1e-5
 
 
 def test_masked_loss_value_and_count():

@@ -152,6 +152,19 @@ def test_init_warns_once_when_most_params_fall_back():
     jax.eval_shape(tx.init, params)  # init traced: no arrays made
 
 
+@pytest.mark.parametrize("wrap", [
+    lambda tx: tx,
+    lambda tx: optax.chain(optax.clip_by_global_norm(1.0), tx, optax.scale(-0.1)),
+], ids=["alone", "in a chain"])
+def test_init_warnings_name_the_users_line(wrap):
+  tx, params = mostly_raw_tx(layer_overrides={"nothing/*": "diagonal"})
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    jax.eval_shape(wrap(tx).init, params)
+  assert {w.filename for w in caught} == {__file__}, [(w.filename, w.lineno) for w in caught]
+  assert len(caught) == 2  # the unmatched pattern and the fallback share
+
+
 class ThreeRaw(nn.Module):
   """Three submodules of raw matmuls and a Dense head."""
 
