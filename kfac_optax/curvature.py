@@ -935,11 +935,14 @@ class Curvature:
     return outputs, jax.vmap(push)(vectors)
 
   def output_fisher(self, outputs: Any, batch: Any, tangents: jax.Array) -> jax.Array:
-    """``(1/L) F_out u`` per term for output tangents ``u``, masked terms zero."""
+    """``(1/L) F_out u`` per term for output tangents ``u`` (``outputs``'
+    shape, after any leading axes of a stack of them), each term weighted
+    by the loss mask: masked terms zero."""
     terms = self.loss.terms(outputs, batch)
     product = self.loss.fisher_product(outputs, tangents)
-    mask = terms.mask_for(product.shape)
-    return (product if mask is None else product * mask) / terms.count
+    if terms.mask is not None:  # the terms' axes are the last but one
+      product = product * terms.mask[..., None]
+    return product / terms.count
 
   def exact_product(self, params: Any, batch: Any, vector: Any,
                     variables: dict | None = None, rng: jax.Array | None = None):

@@ -123,6 +123,34 @@ def test_weights_scaled_alike_leave_the_statistics_unchanged(api):
     assert bf.relative_error(halved[key], jax.tree.map(np.asarray, original[key])) < 1e-5
 
 
+def test_the_automatic_steps_model_ignores_padding_and_the_weights_scale():
+  """kfac's automatic mode (its quadratic model from exact Fisher-vector
+  products along two directions at once) gives the same update when only
+  padded tokens change, or when every weight is halved."""
+  model = TokenNet()
+  data = batch(0)
+  params = model.init(jax.random.key(9), data["ids"])["params"]
+  padded = ~data["mask"]
+  variants = [data, {**data, "ids": jnp.where(padded, 10, data["ids"]),
+                     "y": jnp.where(padded, 0, data["y"])},
+              {**data, "mask": 0.5 * data["mask"].astype(jnp.float32)}]
+  tx = kfac_optax.kfac(model.apply, LOSS, example_batch=data, inputs=lambda b: b["ids"],
+                       estimation="exact")
+
+  @jax.jit
+  def two_updates(b):  # the second solves for momentum too
+    state, found = tx.init(params), []
+    for _ in range(2):
+      grads = jax.grad(lambda p: LOSS.value(model.apply({"params": p}, b["ids"]), b))(params)
+      updates, state = tx.update(grads, state, params, batch=b)
+      found.append(updates)
+    return found
+  first = two_updates(variants[0])
+  for other in variants[1:]:
+    for want, got in zip(first, two_updates(other)):
+      assert bf.relative_error(got, jax.tree.map(np.asarray, want)) < 1e-4
+
+
 def test_masked_loss_value_and_count():
   data = batch(2)
   logits = jax.random.normal(jax.random.key(3), (3, 6, 7))
