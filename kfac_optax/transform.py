@@ -361,8 +361,9 @@ class KFACState(NamedTuple):
     learning_rate, momentum: the last step's ``-α`` and ``μ`` in
       ``δ = α v + μ δ_prev`` (v the preconditioned gradient).
     rho: the last measured reduction ratio (nan before the first).
-    qmodel_change: the quadratic model's predicted change of the loss for
-      the last step where it was computed (nan before).
+    qmodel_change: the damped quadratic model's predicted change of the
+      loss for the last step where it was computed (nan before); ``rho``
+      divides the measured change by the undamped model's.
     fisher_norm: the last step's approximate squared Fisher norm of its
       gradient part, ``α² vᵀ F̂ v = α² vᵀ g``.
   """
@@ -495,7 +496,8 @@ def kfac(
     damping_adaptation_decay: ω = decay ** interval.
     min_damping: lower clip of the adapted λ.
     max_damping: upper clip of the adapted λ.
-    l2_reg: η ≥ 0, the user's L2 coefficient.
+    l2_reg: η ≥ 0, the coefficient of the ``η/2 ‖θ‖²`` in the user's loss:
+      added to the curvature, and to the loss change ``ρ`` measures.
     num_burnin_steps: leading updates that return zeros (an int ≥ 0).
 
   Settings are checked where given: ``learning_rate`` > 0 when given,
@@ -614,11 +616,15 @@ def kfac(
         change, model_outputs = undamped_change()
         moved = curvature.loss_value(optax.apply_updates(params, delta), batch,
                                      variables, rng)
+        # The user's loss holds the L2 term the model's l2_reg stands for:
+        # η/2 (‖θ+δ‖² - ‖θ‖²) of the change is its.
+        actual = (moved - loss.value(model_outputs, batch) + l2_reg * (
+            adaptive.tree_dot(params, delta) + 0.5 * adaptive.tree_dot(delta, delta)))
         # ρ compares an actual decrease with a predicted one: a step the model
         # does not predict to decrease the loss (a fixed learning rate that
         # overshoots) is a failed step, ρ = nan, whatever the loss did.
-        return jnp.where(change < 0, (moved - loss.value(model_outputs, batch))
-                         / jnp.where(change < 0, change, 1.0), _NAN)
+        return jnp.where(change < 0, actual / jnp.where(change < 0, change, 1.0),
+                         _NAN).astype(state.rho.dtype)  # float64 targets, x64
       # Measured every interval, and every step after a poor step (ρ < ¼ or
       # non-finite) until a good one, so λ reacts within a few steps.
       due = moving & (((count - num_burnin_steps) % damping_adaptation_interval == 0)

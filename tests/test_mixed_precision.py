@@ -127,6 +127,24 @@ def test_float16_update_at_tiny_damping_is_scaled_to_fit():
                                rtol=2e-3, atol=2e-3 * limit)
 
 
+@pytest.mark.parametrize("settings", [{}, dict(learning_rate=0.1, adaptive_damping=True)],
+                         ids=["automatic", "fixed lr, adaptive damping"])
+def test_float64_targets_under_x64_give_a_float32_rho(settings):
+  """NumPy's float64 targets make the squared error's loss change float64
+  under x64; ρ stays in its float32 state (lax.cond needs one type)."""
+  with jax.enable_x64(True):
+    model = nn.Dense(2)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 3)), jnp.float32)
+    batch = (x, np.random.default_rng(1).standard_normal((4, 2)))  # float64
+    params = model.init(jax.random.key(0), x)["params"]
+    loss = kfac_optax.losses.squared_error()
+    grads = jax.grad(lambda p: loss.value(model.apply({"params": p}, x), batch))(params)
+    tx = kfac_optax.kfac(model.apply, loss, example_batch=batch, **settings)
+    _, state = tx.update(grads, tx.init(params), params, batch=batch,
+                         rng=jax.random.key(1))
+    assert state.rho.dtype == jnp.float32 and np.isfinite(float(state.rho))
+
+
 def test_float64_params_keep_float64_curvature():
   with jax.enable_x64(True):
     params, batch = bf.tiny_problem()
