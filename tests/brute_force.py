@@ -137,8 +137,9 @@ def series_statistics(x, g, mask=None, bias=True):
   """A0, A1, G0, G1 by explicit loops over examples and steps.
 
   ``x``: (N, T, d) inputs, ``g``: (N, T, k) output gradients, ``mask``:
-  (N, T) or None. R counts the unmasked rows, L the unmasked loss terms
-  (one per example and step here); a lag pair needs both steps unmasked.
+  (N, T) 0/1 or weights, or None. R counts the unmasked rows, L the unmasked
+  loss terms (one per example and step here), both by weight; a lag pair
+  weighs √(w w') (0 unless both steps are unmasked).
   """
   x, g = np.asarray(x, np.float64), np.asarray(g, np.float64)
   n, t = x.shape[:2]
@@ -151,7 +152,7 @@ def series_statistics(x, g, mask=None, bias=True):
       a0 += w[i, s] * np.outer(a[i, s], a[i, s])
       g0 += w[i, s] * np.outer(g[i, s], g[i, s])
       if s + 1 < t:
-        pair = w[i, s + 1] * w[i, s]
+        pair = np.sqrt(w[i, s + 1] * w[i, s])
         a1 += pair * np.outer(a[i, s + 1], a[i, s])
         g1 += pair * np.outer(g[i, s + 1], g[i, s])
   rows = terms = w.sum()

@@ -78,11 +78,14 @@ def _problem(case, bias, steps):
 @functools.lru_cache(maxsize=None)
 def _run(case, option, bias=True, masked=False, steps=T):
   """One K-FAC update of V on fixed data (sequence lengths 5, 3, 2, 5, ... if
-  ``masked``): (factors, preconditioned V, V, (inputs, output gradients,
-  mask), (tx, state, params, the jitted update))."""
+  ``masked``, their steps weighted in [0.5, 2] if it is ``"weights"``):
+  (factors, preconditioned V, V, (inputs, output gradients, mask), (tx,
+  state, params, the jitted update))."""
   x, g, params, targets = _problem(case, bias, steps)
   mask = (jnp.arange(steps)[None] < jnp.array([steps, 3, 2, steps] * 3)[:, None]
           ).astype(jnp.float32) if masked else jnp.ones((N, steps))
+  if masked == "weights":
+    mask = mask * jax.random.uniform(jax.random.key(5), mask.shape, minval=0.5, maxval=2.0)
   model = OverTime(bias)
   loss = kfac_optax.losses.squared_error(
       targets=lambda b: b[1], mask=(lambda b: b[2]) if masked else None)
@@ -110,7 +113,8 @@ def _stats(run, bias=True):
 
 @pytest.mark.parametrize("bias,masked,option", [(True, False, "series_option1"),
                                                 (False, False, "series_option1"),
-                                                (True, True, "series_option2")])
+                                                (True, True, "series_option2"),
+                                                (True, "weights", "series_option2")])
 def test_statistics_match_explicit_sums(bias, masked, option):
   run = _run("correlated", option, bias, masked)
   factors = run[0]
