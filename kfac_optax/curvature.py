@@ -232,11 +232,12 @@ def _check_not_masked(params: Any) -> None:
   ``optax.masked``, ``optax.multi_transform`` and ``optax.partition`` hand
   their members the params with every other leaf replaced by
   ``optax.MaskedNode``; K-FAC re-runs the whole model, which needs them all.
-  The fix names the hidden leaves' modules as ``layer_overrides`` patterns.
+  The fix names the hidden modules as ``layer_overrides`` patterns.
   """
   is_node = lambda x: isinstance(x, optax.MaskedNode)
-  hidden = sorted({_key(path[:-1]) for path, leaf in
-                   flatten(params, is_leaf=is_node)[0].items() if is_node(leaf)})
+  flat = flatten(params, is_leaf=is_node)[0]
+  hidden = sorted({_hidden_module(path, flat) for path, leaf in flat.items()
+                   if is_node(leaf)})
   if hidden:
     shown = {name: "skip" for name in hidden[:4]}
     more = f" (and {len(hidden) - 4} more modules)" if len(hidden) > 4 else ""
@@ -247,7 +248,21 @@ def _check_not_masked(params: Any) -> None:
         "Fix: give K-FAC all params and let it skip the hidden layers for the "
         "other transformations (their gradients pass through unpreconditioned), "
         f"e.g. optax.chain(scale_by_kfac(..., layer_overrides={shown!r}{more}), "
-        "optax.masked(optax.scale_by_adam(), their_mask), optax.scale(-lr)).")
+        "optax.masked(optax.scale_by_adam(), their_mask), optax.scale(-lr)); a "
+        "hidden module that holds others also needs 'its/path/*'.")
+
+
+def _hidden_module(path: Path, flat: dict[Path, Any]) -> str:
+  """The module whose params a ``MaskedNode`` at ``path`` hides: a mask per
+  leaf hides a param (beside other params, or with all of its module's), a
+  mask by module prefix a whole module (beside other modules)."""
+  parent = path[:-1]
+  siblings = [q for q in flat if q[:len(parent)] == parent and q != path]
+  beside_params = any(len(q) == len(path) and not isinstance(flat[q], optax.MaskedNode)
+                      for q in siblings)
+  beside_modules = any(len(q) > len(path) for q in siblings)
+  is_param = beside_params or (bool(parent) and not beside_modules)
+  return _key(parent if is_param else path)
 
 
 def _check_real_floating(flat_params: dict[Path, Any]) -> None:

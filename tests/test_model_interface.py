@@ -277,9 +277,13 @@ def test_a_mask_of_other_shape_than_the_terms_is_named_at_init():
                                              labels),
     lambda tx, labels: optax.masked(tx, jax.tree.map(lambda l: l == "kfac", labels)),
 ], ids=["multi_transform", "masked"])
-def test_kfac_inside_optax_masking_is_named(combinator):
-  labels = {name: jax.tree.map(lambda _, n=name: "adam" if n == "out" else "kfac", leaves)
-            for name, leaves in PARAMS.items()}
+@pytest.mark.parametrize("per_leaf", [True, False], ids=["per leaf", "per module"])
+def test_kfac_inside_optax_masking_is_named(combinator, per_leaf):
+  """The error names the hidden module whether the labels (or mask) give a
+  value per param or one per module (a prefix of the params tree)."""
+  label = lambda name: "adam" if name == "out" else "kfac"
+  labels = {name: jax.tree.map(lambda _, n=name: label(n), leaves) if per_leaf
+            else label(name) for name, leaves in PARAMS.items()}
   tx = combinator(kfac_optax.scale_by_kfac(bf.TinyMLP().apply, LOSS,
                                            example_batch=BATCH), labels)
   with pytest.raises(ValueError, match="got params with optax.MaskedNode entries"
