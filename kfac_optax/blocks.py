@@ -350,7 +350,7 @@ class SeriesBlock(KroneckerBlock):
       weights = _step_weights(terms, x.shape, rows.shape[0] * rows.shape[2])
       gram, lag = _lagged_grams(rows, weights)
       a, a_lag, num_rows = a + gram, a_lag + lag, num_rows + jnp.sum(weights)
-      support = _step_weights(terms.support(), x.shape, rows.shape[0] * rows.shape[2])
+      support = (weights > 0).astype(weights.dtype)  # see `losses.Terms`
       gram, lag = _lagged_grams(grad_rows, jnp.tile(support, (1, dy.shape[0])))
       g, g_lag = g + gram, g_lag + lag
     return SeriesFactors(a / num_rows, g / terms.count,

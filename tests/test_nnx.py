@@ -355,6 +355,14 @@ def snapshot(model):
       nnx_capture.pure(nnx.state(model)))
 
 
+def factors_by_key(model, batch):
+  """Jitted ``key -> factors`` of one statistics update of ``model`` on
+  ``batch``, its dropout masks drawn from ``key``."""
+  curvature = kfac_optax.Curvature(model, LOSS, example_batch=batch)
+  params = nnx_capture.pure(nnx.state(model, nnx.Param))
+  return jax.jit(lambda key: curvature.update(
+      curvature.init(params), params, batch=batch, rng=key, damping=DAMPING).factors)
+
 def test_dropout_comes_from_rng_and_the_model_is_untouched():
   model = NNXNet(nnx.Rngs(0))
   batch = net_batch(3)
@@ -408,11 +416,7 @@ def test_a_model_taking_rngs_per_call_is_told_to_hold_them():
     tx.init(nnx.state(net, nnx.Param))
   with pytest.raises(ValueError, match="apply_kwargs must not hold 'rngs'.*" + fix):
     kfac_optax.kfac(net, LOSS, example_batch=batch, apply_kwargs={"rngs": nnx.Rngs(0)})
-  model = HoldsRngs(net)
-  curvature = kfac_optax.Curvature(model, LOSS, example_batch=batch)
-  params = nnx_capture.pure(nnx.state(model, nnx.Param))
-  factors = jax.jit(lambda key: curvature.update(
-      curvature.init(params), params, batch=batch, rng=key, damping=DAMPING).factors)
+  factors = factors_by_key(HoldsRngs(net), batch)
   masked = factors(jax.random.key(2))["net/out"]
   assert bf.relative_error(factors(jax.random.key(3))["net/out"],
                            jax.tree.map(np.asarray, masked)) > 1e-3
@@ -676,10 +680,7 @@ def test_a_scanned_stack_draws_one_dropout_key_per_layer_from_rng():
       if jnp.issubdtype(k.dtype, jax.dtypes.prng_key)]
   stacked, = [k for k in keys if k.shape == (2,)]
   assert not np.array_equal(*jax.random.key_data(stacked))
-  curvature = kfac_optax.Curvature(model, LOSS, example_batch=batch)
-  params = nnx_capture.pure(nnx.state(model, nnx.Param))
-  factors = jax.jit(lambda key: curvature.update(
-      curvature.init(params), params, batch=batch, rng=key, damping=DAMPING).factors)
+  factors = factors_by_key(model, batch)
   same, other = factors(jax.random.key(3)), factors(jax.random.key(4))
   jax.tree.map(np.testing.assert_array_equal, same, factors(jax.random.key(3)))
   assert bf.relative_error(other["head"], jax.tree.map(np.asarray, same["head"])) > 1e-3
