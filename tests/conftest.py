@@ -12,11 +12,13 @@ import sys
 
 # The tests check numbers and machinery, not speed, and most of their time
 # is XLA compiling small programs. Two settings of XLA:CPU's code generation
-# compile them faster; the HLO programs are optimised as before, only the
-# machine code of their fusions is made differently:
+# compile them faster; the programs compute the same, only their machine
+# code is made differently (and a scatter, which the older emitters below do
+# not fuse, runs as a loop):
 # - LLVM at optimisation level 0 (the suite on 2 cores: 12:10 -> 8:11);
 # - fusions by XLA's older element-wise emitters instead of its MLIR fusion
-#   emitters (12:05 -> 8:09). Its flag is set only where this jaxlib's XLA
+#   emitters (with level 0 already set, 12:05 -> 8:09 on one machine,
+#   2026-11-26). Its flag is set only where this jaxlib's XLA
 #   knows it: XLA aborts the process on a flag it does not know.
 # A setting the caller made is kept. pytest-xdist's workers and the multi-host
 # tests' processes inherit the environment, so only the first process probes.
