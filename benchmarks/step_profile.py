@@ -37,7 +37,7 @@ Two views of the benchmark's kfac_optax step (same settings):
 
 From the repository root::
 
-  python benchmarks/step_profile.py          # both workloads, writes RESULTS.md
+  python benchmarks/step_profile.py          # every workload, writes RESULTS.md
   python benchmarks/step_profile.py --quick  # a small autoencoder, prints only
   python benchmarks/step_profile.py --workload autoencoder \
       --settings "norm_constraint=None,factor_rank=32,curvature_batch_size=250"
@@ -61,6 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import autoencoder  # pylint: disable=wrong-import-position
 from benchmarks import convnet  # pylint: disable=wrong-import-position
 from benchmarks import harness  # pylint: disable=wrong-import-position
+from benchmarks import transformer_lm  # pylint: disable=wrong-import-position
 
 NAME = "step_profile"
 TOP_OPS = 8
@@ -224,7 +225,8 @@ def main(argv=None):
   parser.add_argument("--settings", type=harness.parse_settings, default={},
                       help="kfac_optax keywords over the defaults, e.g. "
                       "'factor_rank=32,curvature_batch_size=250' (prints only)")
-  workloads = {"autoencoder": autoencoder, "convnet": convnet}
+  workloads = {"autoencoder": autoencoder, "convnet": convnet,
+               "transformer_lm": transformer_lm}
   parser.add_argument("--workload", choices=list(workloads), help="only this one")
   args = parser.parse_args(argv)
   if args.settings and args.markdown:
