@@ -46,10 +46,10 @@ GOALS = (
     harness.Goal("mean ms/step / kfac-jax's at matched settings",
                  "mean_vs_kfac_jax", 0.5, ("kfac_optax",)),
     harness.Goal("mean ms/step / best Adam's, README settings", "mean_vs_adam",
-                 2.0, (harness.RECIPE_NAME, "kfac_optax (tuned)")),
+                 2.0, (harness.RECIPE_NAME, harness.TUNED_NAME)),
     harness.Goal("seconds to the best Adam's 120-s loss / that Adam's",
                  "budget_target_time_vs_adam", 0.5,
-                 (harness.RECIPE_NAME, "kfac_optax (tuned)")),
+                 (harness.RECIPE_NAME, harness.TUNED_NAME)),
 )
 
 

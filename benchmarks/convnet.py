@@ -46,7 +46,7 @@ GOALS = (
                  "mean_vs_kfac_jax", 0.5, ("kfac_optax",)),
     harness.Goal("seconds to the best Adam's 120-s loss / that Adam's",
                  "budget_target_time_vs_adam", 0.5,
-                 (harness.RECIPE_NAME, "kfac_optax (tuned)")),
+                 (harness.RECIPE_NAME, harness.TUNED_NAME)),
 )
 
 

@@ -100,6 +100,8 @@ KFAC_OPTAX_ADAPTIVE = dict(
 # mode (KL clipping 1e-3, inverse="auto") with learning rate and damping
 # 1e-3, statistics every 10 steps, inverses every 50.
 RECIPE_NAME = "kfac_optax (recipe)"
+# The workload's own settings on top of the recipe (the README's advice).
+TUNED_NAME = "kfac_optax (tuned)"
 RECIPE = dict(learning_rate=1e-3, damping=1e-3, stats_update_period=10,
               inverse_update_period=50)
 _KFAC_JAX_ESTIMATION = {"fisher": "fisher_gradients", "empirical": "empirical",
@@ -363,7 +365,7 @@ def make_contenders(workload, args, kfac_jax, model_state=None):
   if args.recipe:
     contenders.append(ours(RECIPE_NAME, RECIPE))
   if args.tuned:
-    contenders.append(ours("kfac_optax (tuned)", args.tuned))
+    contenders.append(ours(TUNED_NAME, args.tuned))
   if args.adaptive:
     contenders.append(ours("kfac_optax (adaptive)", {**kfac, **KFAC_OPTAX_ADAPTIVE},
                            args.matched_steps))

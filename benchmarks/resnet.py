@@ -54,10 +54,10 @@ DEFAULTS = dict(budget_s=120.0, matched_steps=150, quick_steps=2, kfac_lr=0.03,
                        "factor_rank": 32})
 GOALS = (
     harness.Goal("mean ms/step / best Adam's, README settings", "mean_vs_adam",
-                 3.0, (harness.RECIPE_NAME, "kfac_optax (tuned)")),
+                 3.0, (harness.RECIPE_NAME, harness.TUNED_NAME)),
     harness.Goal("seconds to the best Adam's 120-s loss / that Adam's",
                  "budget_target_time_vs_adam", 1.0,
-                 (harness.RECIPE_NAME, "kfac_optax (tuned)")),
+                 (harness.RECIPE_NAME, harness.TUNED_NAME)),
 )
 
 
