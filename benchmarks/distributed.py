@@ -72,7 +72,8 @@ def run(args, argv):
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   import kfac_optax
-  from kfac_optax import linalg, sharding
+  from kfac_optax._src import linalg
+  from kfac_optax._src.linalg import stacked_inverses
   if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
   from benchmarks import harness
@@ -107,8 +108,8 @@ def run(args, argv):
   def refresh(stacks):
     return jax.jit(lambda d: linalg.invert_all(d, args.inverse, stacks))
   refreshes = {"1 device": refresh(None),
-               f"{mesh.size} devices": refresh(sharding.stack_sharding(mesh))}
-  buckets = linalg.bucket_sizes(sizes)
+               f"{mesh.size} devices": refresh(linalg.stack_sharding(mesh))}
+  buckets = stacked_inverses.bucket_sizes(sizes)
   per_bucket = {b: sum(buckets[n] == b for n in sizes) for b in set(buckets.values())}
   per_device = {b: f"{-(-n // mesh.size)} of {n}" for b, n in sorted(per_bucket.items())}
 

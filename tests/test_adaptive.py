@@ -13,7 +13,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import kfac_optax
-from kfac_optax import adaptive
+from kfac_optax._src.optimizer import adaptive
 from tests import brute_force as bf
 
 LOSS = kfac_optax.losses.softmax_cross_entropy()

@@ -11,8 +11,8 @@ from benchmarks import harness
 from benchmarks import recipe_sweep
 from benchmarks import statistics_step
 from benchmarks import step_profile
-from kfac_optax import conv_gram
-from kfac_optax import conv_layout
+from kfac_optax._src.blocks import conv_gram
+from kfac_optax._src.curvature import canonical_convolutions
 
 
 def test_recipe_sweep_estimates_each_candidates_time_to_the_budget_target(
@@ -63,7 +63,7 @@ def test_step_profile_quick_mode_times_every_part():
 
 
 def test_statistics_step_quick_mode_times_each_variant_by_step_kind():
-  originals = (conv_layout.canonical_convolutions, conv_gram.applies)
+  originals = (canonical_convolutions.canonical_convolutions, conv_gram.applies)
   rows = statistics_step.main(["--quick"])["rows"]
   assert list(rows) == [name for name, _, _ in statistics_step.VARIANTS]
   plain, every_step, *under_cond = rows.values()
@@ -74,5 +74,5 @@ def test_statistics_step_quick_mode_times_each_variant_by_step_kind():
     assert row["statistics_cost_ms"] == pytest.approx(
         row["with_statistics_ms"] - plain["without_statistics_ms"])
   # The variants' patches were undone.
-  assert (conv_layout.canonical_convolutions, conv_gram.applies) == originals
-  assert statistics_step.blocks._MIN_CHUNK_FLOATS == 2**22  # pylint: disable=protected-access
+  assert (canonical_convolutions.canonical_convolutions, conv_gram.applies) == originals
+  assert statistics_step.kronecker._MIN_CHUNK_FLOATS == 2**22  # pylint: disable=protected-access

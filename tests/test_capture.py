@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import kfac_optax
-from kfac_optax import capture
-from kfac_optax import layouts
+from kfac_optax._src import layouts
+from kfac_optax._src.models import front_end
 from tests import brute_force as bf
 from tests.nnx_twins import APIS, model_for
 
@@ -113,7 +113,7 @@ def reference_factors(params, batch):
 
 def test_discovery_finds_nested_setup_and_shared_layers_by_path():
   params, batch = problem()
-  found = capture.discover(SequenceNet().apply, {"params": params}, (batch[0],), {})
+  found = front_end.discover(SequenceNet().apply, {"params": params}, (batch[0],), {})
   assert found.layouts == {("inner", "proj"): layouts.dense(2, 3),
                            ("shared",): layouts.dense(3, 3),
                            ("head",): layouts.dense(3, 4)}

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kfac_optax import cholesky
+from kfac_optax._src.linalg import cholesky
 from tests import brute_force as bf
 
 

@@ -15,11 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kfac_optax import blocks
-from kfac_optax import conv_gram
-from kfac_optax import layers
-from kfac_optax import layouts
-from kfac_optax import losses
+from kfac_optax._src import blocks
+from kfac_optax._src import layouts
+from kfac_optax._src import losses
+from kfac_optax._src.blocks import conv_gram
+from kfac_optax._src.blocks import kronecker
+from kfac_optax._src.models import kinds
 
 CASES = {
     "2d_same": dict(shape=(3, 6, 5, 2), kernel_size=(3, 3), padding="SAME"),
@@ -69,7 +70,7 @@ def test_translated_gram_equals_the_patch_gram(case, has_bias):
   config = CASES[case]
   x = jax.random.normal(jax.random.PRNGKey(0), config["shape"])
   module, params = identity_conv(config)
-  layout = layers._conv(module, x, None)  # pylint: disable=protected-access
+  layout = kinds._conv(module, x, None)  # pylint: disable=protected-access
   examples = int(np.prod(config["shape"][:-len(config["kernel_size"]) - 1]))
   example_weights = np.linspace(0.5, 2.0, examples)
   rows_per_example = module.apply(params, x)[..., 0].size // examples
@@ -83,7 +84,7 @@ def test_translated_gram_equals_the_patch_gram(case, has_bias):
 
 
 def test_applies_where_blocks_share_a_diagonal_and_are_wide():
-  conv = lambda x, **kw: layers._conv(  # pylint: disable=protected-access
+  conv = lambda x, **kw: kinds._conv(  # pylint: disable=protected-access
       nn.Conv(features=3, **{"kernel_size": (3, 3), **kw}), x, None)
   x = jnp.zeros((4, 5, 5, 16))  # blocks of 3 x 16 columns
   terms = losses.Terms(count=4)
@@ -105,11 +106,11 @@ def test_block_statistics_in_chunks_and_under_a_mask_match_the_whole_patches():
   translated Gram the same rows and weights as the plain patch Gram."""
   x = jax.random.normal(jax.random.PRNGKey(1), (6, 5, 4, 11))
   module = nn.Conv(features=4, kernel_size=(3, 3), padding="SAME")
-  block = blocks.KroneckerBlock(layers._conv(module, x, None), True)  # pylint: disable=protected-access
+  block = blocks.KroneckerBlock(kinds._conv(module, x, None), True)  # pylint: disable=protected-access
   terms = losses.Terms(count=4.0, mask=jnp.array([1.0, 0.0, 1.0, 1.0, 0.0, 1.0]))
   assert conv_gram.applies(block.layout, x.shape, terms, False)
   factor = lambda: jax.jit(lambda x: block.input_factor([x], terms))(x)
-  with mock.patch.object(blocks, "_MIN_CHUNK_FLOATS", 1):  # one example per chunk
+  with mock.patch.object(kronecker, "_MIN_CHUNK_FLOATS", 1):  # one example per chunk
     chunked = factor()
     with mock.patch.object(conv_gram, "applies", lambda *args: False):
       expected = factor()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kfac_optax
-from kfac_optax import conv_layout
+from kfac_optax._src.curvature import canonical_convolutions
 
 CANONICAL_LABELS = {1: "b0f_0io->b0f", 2: "b01f_01io->b01f", 3: "b012f_012io->b012f"}
 
@@ -56,7 +56,7 @@ def test_values_and_gradients_equal_the_original(name):
   x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
   run = value_and_both_grads(f)
   expected = jax.jit(run)(x, w)
-  rewritten = jax.jit(conv_layout.canonical_convolutions(run))(x, w)
+  rewritten = jax.jit(canonical_convolutions.canonical_convolutions(run))(x, w)
   for got, want in zip(rewritten, expected):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -65,7 +65,7 @@ def test_a_function_without_convolutions_lowers_to_the_same_program():
   def dense(x, w):
     return jax.jit(jnp.tanh)(x @ w).sum()
   args = jnp.ones((3, 4)), jnp.ones((4, 2))
-  rewritten = jax.jit(conv_layout.canonical_convolutions(dense)).lower(*args)
+  rewritten = jax.jit(canonical_convolutions.canonical_convolutions(dense)).lower(*args)
   assert rewritten.as_text() == jax.jit(dense).lower(*args).as_text()
 
 
@@ -77,7 +77,7 @@ def dim_labels(compiled_text):
                                   "in a jax.checkpoint"])
 def test_every_convolution_under_a_cond_is_canonical(name):
   f, x_shape, w_shape = CASES[name]
-  run = conv_layout.canonical_convolutions(value_and_both_grads(f))
+  run = canonical_convolutions.canonical_convolutions(value_and_both_grads(f))
   under_cond = jax.jit(lambda p, x, w: jax.lax.cond(
       p, run, lambda x, w: run(x * 0, w), x, w))
   text = under_cond.lower(True, jnp.ones(x_shape), jnp.ones(w_shape)).compile().as_text()

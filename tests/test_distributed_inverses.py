@@ -10,8 +10,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import kfac_optax
-from kfac_optax import linalg
-from kfac_optax import sharding
+from kfac_optax._src import linalg
+from kfac_optax._src.linalg import stacked_inverses
 from tests import brute_force as bf
 
 LAPACK_TARGETS = {"eigh": "lapack_ssyevd", "cholesky": "lapack_spotrf"}
@@ -20,9 +20,9 @@ LAPACK_TARGETS = {"eigh": "lapack_ssyevd", "cholesky": "lapack_spotrf"}
 def test_bucket_sizes_pad_only_when_cheap():
   # 97 -> 100 costs (100/97)³ ≈ 1.10 and 32 -> 33 ≈ 1.10: padded; 64 -> 100
   # or 33 -> 64 would cost several times more: buckets of their own.
-  assert linalg.bucket_sizes([32, 100, 64, 97, 33, 64]) == {
+  assert stacked_inverses.bucket_sizes([32, 100, 64, 97, 33, 64]) == {
       100: 100, 97: 100, 64: 64, 33: 33, 32: 33}
-  assert linalg.bucket_sizes([32, 100, 97], max_padding=1.0) == {
+  assert stacked_inverses.bucket_sizes([32, 100, 97], max_padding=1.0) == {
       100: 100, 97: 97, 32: 32}
 
 
@@ -42,7 +42,7 @@ def test_invert_all_matches_explicit_inverses(method, distributed):
       "kept": jnp.arange(3.0),
   }
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
-  stacks = sharding.stack_sharding(mesh) if distributed else None
+  stacks = linalg.stack_sharding(mesh) if distributed else None
   inverted = jax.jit(lambda t: linalg.invert_all(t, method, stacks))(tree)
 
   for key in ("stack", "padded", "alone"):
@@ -95,7 +95,7 @@ def test_each_device_inverts_an_eighth_of_the_stack(inverse, axis_type):
     """(LAPACK factorisation calls, trip counts of the program's own loops).
 
     On CPU a stack is factorised one matrix at a time in a loop
-    (`linalg._over_stack`), so the loop's trip count is the stack size. Only
+    (`distributed.over_stack`), so the loop's trip count is the stack size. Only
     loops written as `while` count: XLA:CPU also runs some other ops as
     loops (a triangular solve over its rows; a scatter, with some of its
     code generators).

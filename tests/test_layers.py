@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 import kfac_optax
+from kfac_optax._src.models import registry
 from tests import brute_force as bf
 from tests.nnx_twins import APIS, model_for
 
@@ -486,7 +487,7 @@ def test_conv_transpose_rows_reproduce_flax_for_every_padding_and_stride():
     x = jnp.asarray(rng.normal(size=(2, *(4,) * rank, 2)), jnp.float32)
     variables = layer.init(jax.random.key(0), x)
     y = layer.apply(variables, x)
-    layout = kfac_optax.layers.kind_of(layer).layout(layer, x, y)
+    layout = registry.kind_of(layer).layout(layer, x, y)
     params = variables["params"]
     assert layout.kernel_shape == params["kernel"].shape
     rows = layout.input_rows(x)[0] @ layout.kernel_matrix(params["kernel"])[0]
@@ -684,8 +685,8 @@ def test_einsum_layout_rows_and_round_trips():
                     jnp.float32)
     variables = layer.init(jax.random.key(0), x, **call)
     params, y = variables["params"], layer.apply(variables, x, **call)
-    kind = kfac_optax.layers.kind_of(layer)
-    layout = kind.layout(kfac_optax.layers.configured(kind, layer, (x,), call), x, y)
+    kind = registry.kind_of(layer)
+    layout = kind.layout(registry.configured(kind, layer, (x,), call), x, y)
     bias = layout.bias_matrix(params["bias"]) if b.has_bias else 0.0
     minus_y = layer.apply(variables, -x, **call)
     for xs, ys in ((x, y), (jnp.stack([x, -x]), jnp.stack([y, minus_y]))):
@@ -1165,4 +1166,4 @@ def test_registered_user_layer_matches_brute_force(registered_affine):
 
 
 def test_registry_is_restored_after_registration():
-  assert Affine not in kfac_optax.layers._REGISTRY  # pylint: disable=protected-access
+  assert Affine not in registry._REGISTRY  # pylint: disable=protected-access

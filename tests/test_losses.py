@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kfac_optax import losses
+from kfac_optax._src import losses
 
 OUTPUTS = jax.random.normal(jax.random.key(0), (2, 3, 4))  # two leading axes
 

@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 import kfac_optax
-from kfac_optax import linalg
-from kfac_optax import low_rank
-from kfac_optax import sharding
+from kfac_optax._src import linalg
+from kfac_optax._src.linalg import low_rank
 from tests import brute_force as bf
 
 
@@ -126,7 +125,7 @@ def test_invert_all_keeps_large_factors_at_rank(distributed):
       tree, {"large": jnp.broadcast_to(jnp.eye(20), (2, 20, 20)),
              "small": jnp.eye(3)[None]}, rank=3)
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
-  stacks = sharding.stack_sharding(mesh) if distributed else None
+  stacks = linalg.stack_sharding(mesh) if distributed else None
   refresh = jax.jit(lambda t, previous: linalg.invert_all(
       t, "cholesky", stacks, previous=previous, rank=3))
   inverted = refresh(tree, identities)

@@ -5,9 +5,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kfac_optax import blocks
-from kfac_optax import layouts
-from kfac_optax import losses
+from kfac_optax._src import blocks
+from kfac_optax._src import layouts
+from kfac_optax._src import losses
 
 CONV = layouts.ConvLayout(kernel_size=(3, 3), strides=(1, 1), input_dilation=(1, 1),
                           kernel_dilation=(1, 1), padding="SAME", pre_padding=None,

@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import kfac_optax
-from kfac_optax import layers
+from kfac_optax._src.models import registry
 from tests import brute_force as bf
 
 LOSS = kfac_optax.losses.softmax_cross_entropy()
@@ -357,7 +357,7 @@ def test_a_wrapper_that_drops_the_batch_is_named():
                    rng=jax.random.key(0))
 
 def test_failure_under_capture_only_is_named():
-  layers.register_layer(MisregisteredDense, "conv")  # it is a dense layer
+  registry.register_layer(MisregisteredDense, "conv")  # it is a dense layer
   model = MisregisteredDense()
   params = model.init(jax.random.key(0), BATCH[0])["params"]
   message = init_error(apply_fn=model.apply, params=params)

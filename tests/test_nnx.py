@@ -18,7 +18,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import kfac_optax
-from kfac_optax import nnx_capture
+from kfac_optax._src import tree_paths
+from kfac_optax._src.models import nnx_capture
 from tests import brute_force as bf
 from tests.nnx_twins import twin_of
 
@@ -185,7 +186,7 @@ def one_update(apply_fn, params, batch, options, estimation, variables=None,
 
 def by_path(tree):
   return {"/".join(path): np.asarray(leaf, np.float64)
-          for path, leaf in kfac_optax.curvature.flatten(tree)[0].items()}
+          for path, leaf in tree_paths.flatten(tree)[0].items()}
 
 
 ESTIMATIONS = ("fisher", "empirical", "exact", "curvature_prop")

@@ -20,8 +20,8 @@ import optax
 import pytest
 
 import kfac_optax
+from kfac_optax._src.models import registry
 from examples.gpt2_hf_style import FlaxConv1D as Conv1D  # Hugging Face's layout
-from kfac_optax import layers
 from tests import brute_force as bf
 from tests.conftest import restored_layer_registry
 from tests.test_layers import DAMPING, LOSS, assert_block, dense_reference, f64
@@ -373,4 +373,4 @@ def test_register_layer_rejects_bad_arguments(args, kwargs, error, message):
   with pytest.raises(error) as raised:
     kfac_optax.register_layer(*args, **kwargs)
   assert str(raised.value).startswith(message)
-  assert Conv1D not in layers._REGISTRY  # pylint: disable=protected-access
+  assert Conv1D not in registry._REGISTRY  # pylint: disable=protected-access

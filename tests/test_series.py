@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 
 import kfac_optax
-from kfac_optax import blocks
-from kfac_optax import linalg
-from kfac_optax import sharding
+from kfac_optax._src import linalg
+from kfac_optax._src.blocks import series
 from tests import brute_force as bf
 
 DAMPING = 1e-2
@@ -198,7 +197,7 @@ def test_scaled_gamma_is_the_lag_sum_up_to_x_equal_one(steps):
       [[0.0, 0.5, 1.0], 1 - np.geomspace(1e-7, 1, 60) / steps]), jnp.float32), np.float64)
   lags = np.arange(-(steps - 1), steps)
   expected = steps / np.sum((steps - np.abs(lags)) * x[:, None] ** np.abs(lags), 1)
-  actual = blocks._scaled_gamma(jnp.asarray(x, jnp.float32), jnp.float32(steps))
+  actual = series._scaled_gamma(jnp.asarray(x, jnp.float32), jnp.float32(steps))
   assert np.max(np.abs(actual - expected) / expected) < 5e-5
 
 
@@ -301,7 +300,7 @@ def test_series_decompositions_distribute_over_a_mesh():
           for option in ("series_option1", "series_option2")}
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   alone, spread = jax.jit(lambda t: (linalg.invert_all(t, "eigh"), linalg.invert_all(
-      t, "eigh", sharding.stack_sharding(mesh))))(tree)
+      t, "eigh", linalg.stack_sharding(mesh))))(tree)
   for option in tree:
     w = lambda x: jax.tree.map(np.asarray, x)
     # compare the operators, not eigenvectors (their signs are arbitrary)

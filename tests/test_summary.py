@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import kfac_optax
+from kfac_optax._src.curvature.summary import Factor
 from tests import test_lifted
 
 LOSS = kfac_optax.losses.softmax_cross_entropy()
@@ -63,8 +64,7 @@ def test_table_lists_every_module_its_block_and_shares():
   assert summary.num_params == sum(p.size for p in jax.tree.leaves(PARAMS))
   assert summary.shares()["fallback"] == 192 / 1305
   conv = next(row for row in summary.rows if row.path == "conv")
-  assert conv.factors == (kfac_optax.summary.Factor("A", 25, True),
-                          kfac_optax.summary.Factor("G", 6, False))
+  assert conv.factors == (Factor("A", 25, True), Factor("G", 6, False))
   assert conv.stacks == 2
 
 

@@ -16,7 +16,7 @@ wrapped; K-FAC's changes to them go with the copy) and random streams
 re-seeded from ``rngs["dropout"]`` (never the model's own ``nnx.Rngs``
 counters). The user's model, its Variables and its classes are never touched.
 
-On that copy, each captured layer (`layers.kind_of`) gets its class swapped
+On that copy, each captured layer (`registry.kind_of`) gets its class swapped
 for a cached subclass whose ``__call__`` (and the kind's other methods, e.g.
 ``nnx.Embed.attend``) records the layer input and adds the zero perturbation
 to the output, so that the gradient with respect to the perturbation is the
@@ -43,8 +43,9 @@ from flax import traverse_util
 import jax
 import jax.numpy as jnp
 
-from kfac_optax import capture
-from kfac_optax import layers
+from kfac_optax._src.models import capture
+from kfac_optax._src.models import kinds
+from kfac_optax._src.models import registry
 
 Path = tuple[str, ...]
 _OWN_KEYS = ("params", capture.INPUTS, capture.PERTURBATIONS)
@@ -97,7 +98,7 @@ class _Recorder:
   def call(self, module: nnx.Module, method: str, original: Callable[..., Any],
            args: tuple, kwargs: dict) -> Any:
     """One call of a hooked layer's ``method``: recorded and perturbed."""
-    kind = layers.kind_of(module)
+    kind = registry.kind_of(module)
     if self.busy or kind is None or method not in (capture.CALL, *kind.extra_methods):
       return original(module, *args, **kwargs)
     path = self.paths.get(id(module))
@@ -107,7 +108,7 @@ class _Recorder:
       path = next((v.get_metadata().get(_PATH) for v in params.values()), None)
     if path is None:  # a layer made during the call: not a module of the model
       return original(module, *args, **kwargs)
-    config = (layers.configured(kind, module, args, kwargs)
+    config = (registry.configured(kind, module, args, kwargs)
               if method == capture.CALL else module)
     if config is None:
       if self.discovering:
@@ -169,7 +170,7 @@ def _hook(method: str, original: Callable[..., Any]) -> Callable[..., Any]:
   return hooked
 
 
-def _hooked_class(cls: type, kind: layers.Kind) -> type:
+def _hooked_class(cls: type, kind: kinds.Kind) -> type:
   """A subclass of ``cls`` whose captured methods report to the recorder.
 
   Made once per class; only K-FAC's own copies ever have it, and only while
@@ -196,7 +197,7 @@ def _hooked(model: nnx.Module, perturbations: Any, discovering: bool,
   paths, swapped = {}, []
   for path, module in nnx.iter_modules(model):  # each module once, first path
     paths[id(module)] = path = tuple(str(k) for k in path)
-    kind = layers.kind_of(module)
+    kind = registry.kind_of(module)
     if kind is not None:
       swapped.append((module, type(module), kind))
       for value in vars(module).values():
@@ -379,11 +380,6 @@ def _shapes(params: Any) -> dict[str, tuple[int, ...]]:
   flat = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.State(params)))
   return {"/".join(str(k) for k in path): tuple(jnp.shape(leaf))
           for path, leaf in flat.items()}
-
-
-def front_end(apply_fn: Any) -> Any:
-  """``apply_fn`` itself, or for an ``nnx.Module`` its `NNXModel`."""
-  return NNXModel(apply_fn) if isinstance(apply_fn, nnx.Module) else apply_fn
 
 
 def pure(tree: Any) -> Any:

@@ -14,8 +14,8 @@ import sys
 import warnings
 from typing import Any, Callable, NamedTuple
 
-from kfac_optax import blocks
-from kfac_optax import low_rank
+from kfac_optax._src import blocks
+from kfac_optax._src.linalg import low_rank
 
 # Every kind, in table order, with what its preconditioner is.
 KINDS = {
@@ -49,7 +49,7 @@ class Factor(NamedTuple):
     size: the factor's dimension.
     diagonal: whether only its diagonal is kept.
     rank: the rank of its inverse where it is kept at ``factor_rank``
-      (`kfac_optax.low_rank`), else None.
+      (`linalg.low_rank`), else None.
   """
   name: str
   size: int

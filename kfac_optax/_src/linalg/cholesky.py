@@ -6,7 +6,7 @@ scipy's OpenBLAS. Above a small size (on the 2-core test machine: a
 Cholesky factor of 256 rows, any triangular solve) OpenBLAS splits a call
 over threads of its own, which then spin for about 0.1 s of CPU waiting for
 more work, on cores that XLA's thread pool already uses. Each refresh
-therefore slowed the training steps after it: in the README's example
+therefore slowed the training steps after it: in the main example
 (inverses every 50 steps of 2-3 ms) the mean K-FAC step was 3.6 ms with
 LAPACK's inverse, 2.4 ms with `cholesky_inverse` (`benchmarks/RESULTS.md`,
 "Wall-clock summary").

@@ -1,45 +1,47 @@
-"""The capture pass: layer inputs and output gradients from one forward/vjp.
+"""The front-end contract: K-FAC's collections, what discovery finds, the vjp.
 
-The user's model runs under a `flax.linen.intercept_methods` interceptor. Each
-call of a captured layer (see `layers.py`)
+A model front-end (`linen_capture`, `nnx_capture`) runs the user's model so
+that each call of a captured layer (`registry`)
 
-- sows its input into the flax collection ``kfac_inputs`` (one tuple entry per
+- records its input in the collection ``kfac_inputs`` (one tuple entry per
   call, so shared modules keep every call), and
 - adds a zero perturbation from the collection ``kfac_perturbations`` to its
   output (one variable per call), so that the gradient with respect to the
   perturbation is the gradient with respect to the layer output.
 
 A layer kind may name other methods to capture the same way (``nn.Embed``'s
-``attend``, the output projection of tied embeddings); their entries carry the
-method name (``kfac_in_attend``, ``kfac_attend_out_0``).
+``attend``, the output projection of tied embeddings); their entries carry
+the method name (``kfac_in_attend``, ``kfac_attend_out_0``).
 
-Both travel as flax collections, never Python lists, so they follow the
-module through lifted transforms the way any other variable does.
-
-A layer run with its own ``.apply`` inside the model (Hugging Face's tied LM
-head: ``self.lm_head.apply({"params": {"kernel": wte.T}}, h)``) is a fresh
-flax root whose collections are discarded. Its entries go to the calling
-module's scope instead, under the layer's name (path ``caller/lm_head``), as
-if it were an ordinary submodule call; its params are not leaves of the
-model's params tree (see `curvature`). This module knows nothing about
-curvature blocks or inverses.
+Both travel as flax collections (for NNX, Variables of the layers), never
+Python lists, so they follow the module through lifted transforms the way
+any other variable does. Everything after capture is shared: `Discovered`
+(what one abstract trace finds), `capture` (one forward pass and one vjp),
+`Captured` (its result). This module knows nothing about curvature blocks
+or inverses.
 """
 
 import re
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from flax import traverse_util
 
-from kfac_optax import layers
 
 INPUTS = "kfac_inputs"
+
+
 PERTURBATIONS = "kfac_perturbations"
+
+
 CALL = "__call__"
+
+
 _INPUT_NAME = re.compile(r"kfac_in(?:_(\w+))?$")
+
+
 _OUTPUT_NAME = re.compile(r"kfac_(?:(\w+)_)?out_(\d+)$")
+
 
 Path = tuple[str, ...]
 
@@ -56,7 +58,7 @@ def output_name(method: str, call: int) -> str:
 
 class Uncaptured(NamedTuple):
   """The layout recorded for a layer call that its kind cannot express (see
-  `layers.configured`): the call runs unhooked and the layer's params get
+  `registry.configured`): the call runs unhooked and the layer's params get
   the diagonal fallback. ``settings``: the call's configuration."""
   settings: tuple[tuple[str, Any], ...]
 
@@ -69,82 +71,6 @@ class ModelError(ValueError):
   """A model or params that a front-end's own check rejects (an NNX model's
   params that do not fit it, randomness it cannot get); its message names
   the cause and the fix."""
-
-
-class _Sink(nn.Module):
-  """Holds a detached layer's entries in its caller's scope."""
-
-
-class _Interceptor:
-  """Hooks every captured layer call; optionally records layouts by path."""
-
-  def __init__(self, found_layouts: dict[Path, Any] | None = None,
-               output_shapes: dict[Path, tuple[int, ...]] | None = None,
-               param_shapes: dict[Path, dict[str, tuple[int, ...]]] | None = None):
-    self.layouts = found_layouts
-    self.output_shapes = output_shapes
-    self.param_shapes = param_shapes
-    self.busy = False  # a kind's own helper calls are not layer calls
-    self.callers: list[nn.Module] = []  # modules whose methods are running
-
-  def __call__(self, next_fun, args, kwargs, context):
-    self.callers.append(context.module)
-    try:
-      return self._intercept(next_fun, args, kwargs, context)
-    finally:
-      self.callers.pop()
-
-  def _owner(self, module: nn.Module) -> nn.Module:
-    """Where a layer's entries go: itself, or for a layer run with its own
-    ``.apply`` inside the model (a root scope without K-FAC's collections),
-    a stand-in named like it in the scope of the module that called it."""
-    if module.path or module.is_mutable_collection(INPUTS):
-      return module
-    caller = next((c for c in reversed(self.callers[:-1])
-                   if c.scope is not None and c.is_mutable_collection(INPUTS)), None)
-    if caller is None:
-      return module
-    name = module.name or type(module).__name__
-    return _Sink(parent=caller.scope.push(name, reuse=True))
-
-  def _intercept(self, next_fun, args, kwargs, context):
-    module, method = context.module, context.method_name
-    run_instead = layers.stand_in(module)
-    if run_instead is not None and method == CALL:  # its layers are hooked in turn
-      return run_instead(module, *args, **kwargs)
-    kind = layers.kind_of(module)
-    if self.busy or kind is None or method not in (CALL, *kind.extra_methods):
-      return next_fun(*args, **kwargs)
-    owner = self._owner(module)
-    config = layers.configured(kind, module, args, kwargs) if method == CALL else module
-    if config is None:
-      if self.layouts is not None:
-        self._record(tuple(owner.path), uncaptured(kind, args, kwargs))
-      return next_fun(*args, **kwargs)
-    previous_calls = owner.get_variable(INPUTS, input_name(method), ())
-    output = next_fun(*args, **kwargs)
-    captured = call_input(self, kind, module, method, args, kwargs, output)
-    owner.sow(INPUTS, input_name(method), captured)
-    if self.layouts is not None and method == CALL:
-      self._record(tuple(owner.path), kind.layout(config, captured, output))
-      self.output_shapes[tuple(owner.path)] = jnp.shape(output)
-      self.param_shapes[tuple(owner.path)] = {
-          name: jnp.shape(value)
-          for name, value in module.variables.get("params", {}).items()}
-    return owner.perturb(output_name(method, len(previous_calls)), output,
-                         collection=PERTURBATIONS)
-
-  def _record(self, path: Path, layout: Any) -> None:
-    if not path and self.layouts.get(path, layout) != layout:
-      # fresh .apply roots all share the path ''
-      raise ValueError(
-          "layer calls at the top-level path '' need different curvature "
-          f"layouts ({self.layouts[path]} and {layout}): more than one module "
-          "runs with its own .apply (e.g. apply_fn applies two models, or "
-          "applies a model twice), and K-FAC keeps one block per module path."
-          "\nFix: make apply_fn one model.apply, with every layer a submodule "
-          "of that model.")
-    record_layout(self.layouts, path, layout)
 
 
 def call_input(hooks: Any, kind: Any, module: Any, method: str, args: tuple,
@@ -202,73 +128,6 @@ class Discovered(NamedTuple):
   param_shapes: dict[Path, dict[str, tuple[int, ...]]]
   perturbations: Any
   outputs: Any
-
-
-def hooked_apply(
-    apply_fn: Callable[..., Any],
-    args: Sequence[Any],
-    apply_kwargs: dict[str, Any],
-    mutable: bool | Sequence[str] | nn.DenyList,
-    interceptor: Callable[..., Any] | None = None,
-) -> Callable[[Any], tuple[Any, Any]]:
-  """``variables -> (outputs, collections)``: the model run under the hooks.
-
-  An ``apply_fn`` with its own capture (an NNX model's, see `nnx_capture`)
-  runs its own hooks; a linen apply function runs under the interceptor.
-  """
-  if hasattr(apply_fn, "hooked"):
-    return apply_fn.hooked(args, apply_kwargs)
-  interceptor = interceptor or _Interceptor()
-  mutable = list(mutable) if isinstance(mutable, (list, tuple)) else mutable
-
-  def run(variables):
-    with nn.intercept_methods(interceptor):
-      return apply_fn(variables, *args, mutable=mutable, **apply_kwargs)
-  return run
-
-
-def discover(
-    apply_fn: Callable[..., Any],
-    variables: Any,
-    args: Sequence[Any],
-    apply_kwargs: dict[str, Any],
-    mutable: bool | Sequence[str] | nn.DenyList = (),
-) -> Discovered:
-  """Finds the captured layers by tracing the model abstractly (no FLOPs).
-
-  Args:
-    apply_fn: flax apply function (or one with its own capture, see
-      `hooked_apply`).
-    variables: the variables to run with (params and other collections).
-    args: positional inputs.
-    apply_kwargs: keyword arguments of ``apply_fn``.
-    mutable: collections the model may write besides K-FAC's own, or a flax
-      collection filter (``True``, ``DenyList("params")``) that lets missing
-      ones (e.g. batch_stats) be created.
-  """
-  if hasattr(apply_fn, "discover"):  # its own capture (see hooked_apply)
-    return apply_fn.discover(variables, args, apply_kwargs)
-  found, shapes, param_shapes = {}, {}, {}
-  if isinstance(mutable, (list, tuple)):
-    mutable = [*mutable, INPUTS, PERTURBATIONS]
-  interceptor = _Interceptor(found, shapes, param_shapes)
-  # The inputs go through eval_shape as arguments: they may be ShapeDtypeStructs.
-  outputs, collections = jax.eval_shape(
-      lambda v, a: hooked_apply(apply_fn, a, apply_kwargs, mutable, interceptor)(v),
-      variables, tuple(args))
-  inputs = by_method(collections.get(INPUTS, {}))
-  other_methods = {}
-  for method, by_path in inputs.items():
-    for path in by_path if method != CALL else ():
-      other_methods[path] = (*other_methods.get(path, ()), method)
-  return Discovered(
-      layouts=found,
-      num_calls={path: len(calls) for path, calls in inputs.get(CALL, {}).items()},
-      other_methods=other_methods,
-      output_shapes=shapes,
-      param_shapes=param_shapes,
-      perturbations=collections.get(PERTURBATIONS, {}),
-      outputs=outputs)
 
 
 def by_method(collection: Any) -> dict[str, dict[Path, tuple[Any, ...]]]:

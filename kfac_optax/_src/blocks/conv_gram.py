@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_optax import layouts
-from kfac_optax import linalg
-from kfac_optax import losses
+from kfac_optax._src import layouts
+from kfac_optax._src import linalg
+from kfac_optax._src import losses
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 # Narrower first-offset blocks (kernel width x channels per group) make the
