@@ -47,7 +47,7 @@ skipped  skipped        -                                  72
 wide     kron_out_diag  A 9×9 · G diag 16                 144
 
 1,305 parameters:
-    3.4%  kronecker       A ⊗ G, both factors full
+    3.4%  kronecker       A ⊗ G, neither factor kept diagonal
    23.0%  kron_in_diag    diag(A) ⊗ G: input factor kept diagonal
    11.0%  kron_out_diag   A ⊗ diag(G): output factor kept diagonal
    30.7%  embedding       diag(A) ⊗ G, A the token frequencies
@@ -77,6 +77,10 @@ def test_factors_kept_at_rank_show_it():
   assert "A diag 50 · G 8×8 rank 6 " in text
   assert "2 × (A diag 25 · G 6×6)" in text
   assert "A 9×9 rank 6 · G diag 16" in text
+  # The shares say how those factors are inverted, not that they are full.
+  assert text.endswith("Factors marked rank 6: inverted at that rank (their top "
+                       "eigenpairs, the other eigenvalues by their mean).")
+  assert "full" not in text
 
 
 @pytest.mark.parametrize("build", [

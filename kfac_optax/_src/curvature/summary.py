@@ -19,7 +19,7 @@ from kfac_optax._src.linalg import low_rank
 
 # Every kind, in table order, with what its preconditioner is.
 KINDS = {
-    "kronecker": "A ⊗ G, both factors full",
+    "kronecker": "A ⊗ G, neither factor kept diagonal",
     "kron_in_diag": "diag(A) ⊗ G: input factor kept diagonal",
     "kron_out_diag": "A ⊗ diag(G): output factor kept diagonal",
     "kron_both_diag": "diag(A) ⊗ diag(G): both kept diagonal",
@@ -128,6 +128,10 @@ class Summary:
     kind_width = max(len(kind) for kind in KINDS)
     lines += [f"  {share:6.1%}  {kind.ljust(kind_width)}  {KINDS[kind]}"
               for kind, share in self.shares().items()]
+    ranks = sorted({f.rank for row in self.rows for f in row.factors if f.rank})
+    if ranks:
+      lines.append(f"Factors marked rank {', '.join(map(str, ranks))}: inverted at that "
+                   "rank (their top eigenpairs, the other eigenvalues by their mean).")
     return "\n".join(lines)
 
   __repr__ = __str__  # a REPL shows the table
