@@ -401,24 +401,32 @@ def test_l2_reg_is_added_to_the_damping():
 def test_with_l2_reg_rho_measures_the_loss_with_its_l2_term():
   """A linear model under squared error plus η/2 ‖θ‖² is exactly quadratic,
   with Hessian G + ηI: the undamped model is exact, so ρ = 1 (before, the
-  L2 term was in the prediction but not in the measured change)."""
-  eta, model = 0.5, nn.Dense(2)
-  x, y = (jax.random.normal(jax.random.key(k), (8, n)) for k, n in ((0, 3), (1, 2)))
-  batch, loss = (x, y), kfac_optax.losses.squared_error()
-  params = model.init(jax.random.key(2), x)["params"]
-  tx = kfac_optax.kfac(model.apply, loss, example_batch=batch, l2_reg=eta,
-                       estimation="exact", damping_adaptation_interval=1, damping=1e-2)
+  L2 term was in the prediction but not in the measured change). In float64,
+  so that the third step's change (1.6e-6) is far above round-off: in float32
+  ρ came out 1.0029 there on one machine, and under x64 the losses computed
+  in float32 until they kept float64 outputs (ρ 0.9979)."""
+  with jax.enable_x64(True):
+    eta, model = 0.5, nn.Dense(2)
+    x, y = (jax.random.normal(jax.random.key(k), (8, n), jnp.float64)
+            for k, n in ((0, 3), (1, 2)))
+    batch, loss = (x, y), kfac_optax.losses.squared_error()
+    params = jax.tree.map(lambda p: p.astype(jnp.float64),
+                          model.init(jax.random.key(2), x)["params"])
+    tx = kfac_optax.kfac(model.apply, loss, example_batch=batch, l2_reg=eta,
+                         estimation="exact", damping_adaptation_interval=1,
+                         damping=1e-2)
 
-  @jax.jit
-  def step(p, state):
-    grads = jax.grad(lambda p: loss.value(model.apply({"params": p}, x), batch) + 0.5 * eta
-                     * sum(jnp.sum(jnp.square(a)) for a in jax.tree.leaves(p)))(p)
-    updates, state = tx.update(grads, state, p, batch=batch)
-    return optax.apply_updates(p, updates), state
-  state = tx.init(params)
-  for _ in range(3):  # then the changes reach float32's round-off
-    params, state = step(params, state)
-    assert float(state.rho) == pytest.approx(1.0, abs=1e-3)
+    @jax.jit
+    def step(p, state):
+      grads = jax.grad(lambda p: loss.value(model.apply({"params": p}, x), batch)
+                       + 0.5 * eta * sum(jnp.sum(jnp.square(a))
+                                         for a in jax.tree.leaves(p)))(p)
+      updates, state = tx.update(grads, state, p, batch=batch)
+      return optax.apply_updates(p, updates), state
+    state = tx.init(params)
+    for _ in range(3):
+      params, state = step(params, state)
+      assert float(state.rho) == pytest.approx(1.0, abs=1e-5)
 
 
 def test_stats_of_kfac_train_state_and_of_a_chain():

@@ -75,6 +75,30 @@ def test_value_is_mean_of_per_term_nll(make, targets, expected):
   assert loss.terms(OUTPUTS, {"y": targets}).count == 6
 
 
+
+@pytest.mark.parametrize("make, targets, expected", [
+    (losses.softmax_cross_entropy, np.zeros((2, 3), np.int32),
+     lambda f, y: -(f[..., 0] - np.log(np.sum(np.exp(f), -1)))),
+    (losses.sigmoid_cross_entropy, np.ones((2, 3, 4)),
+     lambda f, y: np.sum(np.log1p(np.exp(-f)), -1)),
+    (losses.squared_error, np.ones((2, 3, 4)),
+     lambda f, y: 0.5 * np.sum((1 - f) ** 2, -1)),
+])
+def test_float64_outputs_keep_float64(make, targets, expected):
+  """Under x64 a float64 model's loss, output Fisher and samples stay float64
+  (the training loss of a float64 model, and the loss change that kfac's ρ
+  measures; they were rounded to float32, which put ρ 0.2% off)."""
+  outputs = np.random.default_rng(0).normal(size=(2, 3, 4)) * 3
+  with jax.enable_x64(True):
+    loss = make(targets=lambda batch: batch["y"])
+    value = loss.value(jnp.asarray(outputs), {"y": jnp.asarray(targets)})
+    assert value.dtype == jnp.float64
+    assert abs(float(value) - np.mean(expected(outputs, targets))) < 1e-13
+    assert loss.fisher_sqrt(jnp.asarray(outputs)).dtype == jnp.float64
+    assert loss.fisher_product(jnp.asarray(outputs), jnp.asarray(outputs)).dtype == jnp.float64
+    sample = loss.sample(jax.random.key(0), jnp.asarray(outputs))
+    assert sample.dtype in (jnp.float64, jnp.int64)
+
 def test_default_targets_need_a_tuple_batch():
   with pytest.raises(TypeError, match="targets="):
     losses.softmax_cross_entropy().value(OUTPUTS, {"y": 0})

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from kfac_optax._src.linalg import precision
+
 Batch = Any
 Estimation = str
 ESTIMATIONS = ("fisher", "empirical", "exact", "curvature_prop")
@@ -153,20 +155,20 @@ class Categorical(PredictiveLoss):
 
   def nll(self, outputs, targets):
     return optax.softmax_cross_entropy_with_integer_labels(
-        outputs.astype(jnp.float32), targets)
+        precision.at_least_float32(outputs), targets)
 
   def sample(self, rng, outputs):
-    return jax.random.categorical(rng, outputs.astype(jnp.float32))
+    return jax.random.categorical(rng, precision.at_least_float32(outputs))
 
   def fisher_sqrt(self, outputs):
-    p = jax.nn.softmax(outputs.astype(jnp.float32))
+    p = jax.nn.softmax(precision.at_least_float32(outputs))
     root_p = jnp.sqrt(p)
     # columns[..., k, j] = sqrt(p_k) (δ_kj - p_j)
     columns = _diagonal_embed(root_p) - root_p[..., :, None] * p[..., None, :]
     return jnp.moveaxis(columns, -2, 0)
 
   def fisher_product(self, outputs, u):
-    p = jax.nn.softmax(outputs.astype(jnp.float32))
+    p = jax.nn.softmax(precision.at_least_float32(outputs))
     return p * u - p * jnp.sum(p * u, -1, keepdims=True)
 
 
@@ -181,18 +183,18 @@ class Bernoulli(PredictiveLoss):
 
   def nll(self, outputs, targets):
     return jnp.sum(optax.sigmoid_binary_cross_entropy(
-        outputs.astype(jnp.float32), targets), axis=-1)
+        precision.at_least_float32(outputs), targets), axis=-1)
 
   def sample(self, rng, outputs):
-    probs = jax.nn.sigmoid(outputs.astype(jnp.float32))
-    return jax.random.bernoulli(rng, probs).astype(jnp.float32)
+    probs = jax.nn.sigmoid(precision.at_least_float32(outputs))
+    return jax.random.bernoulli(rng, probs).astype(probs.dtype)
 
   def fisher_sqrt(self, outputs):
-    probs = jax.nn.sigmoid(outputs.astype(jnp.float32))
+    probs = jax.nn.sigmoid(precision.at_least_float32(outputs))
     return jnp.moveaxis(_diagonal_embed(jnp.sqrt(probs * (1 - probs))), -2, 0)
 
   def fisher_product(self, outputs, u):
-    probs = jax.nn.sigmoid(outputs.astype(jnp.float32))
+    probs = jax.nn.sigmoid(precision.at_least_float32(outputs))
     return probs * (1 - probs) * u
 
 
@@ -206,18 +208,18 @@ class Gaussian(PredictiveLoss):
 
   def nll(self, outputs, targets):
     return 0.5 * jnp.sum(
-        jnp.square(targets - outputs.astype(jnp.float32)), axis=-1)
+        jnp.square(targets - precision.at_least_float32(outputs)), axis=-1)
 
   def sample(self, rng, outputs):
-    outputs = outputs.astype(jnp.float32)
+    outputs = precision.at_least_float32(outputs)
     return outputs + jax.random.normal(rng, outputs.shape)
 
   def fisher_sqrt(self, outputs):
-    ones = jnp.ones(outputs.shape, jnp.float32)
+    ones = jnp.ones(outputs.shape, precision.at_least_float32(outputs).dtype)
     return jnp.moveaxis(_diagonal_embed(ones), -2, 0)
 
   def fisher_product(self, outputs, u):
-    return u.astype(jnp.float32)
+    return precision.at_least_float32(u)
 
 
 def softmax_cross_entropy(
