@@ -15,7 +15,7 @@ Repeats are interleaved (unsharded, sharded, unsharded, ...); medians of the
 per-call times are quoted. On CPU the N devices are simulated
 (``jax_num_cpu_devices``) and share the machine's cores, so sharding cannot
 make anything faster there: the figures show its overhead, and the compiled
-HLO (each device factorises 1/N of every stack: `tests/test_distributed_inverses.py`,
+HLO (each device factorises 1/N of every stack: `tests/scaling/test_distributed_inverses.py`,
 recorded here too) stands in for the speed-up that real devices give.
 
 From the repository root::
@@ -195,7 +195,7 @@ def markdown(payload):
       f"{payload['factor_sizes']}; buckets (size -> padded size) "
       f"{payload['buckets']}. Sharded, each device factorises (bucket: "
       f"its share) {payload['per_device']}; the HLO test "
-      "`tests/test_distributed_inverses.py` checks such shares in the compiled "
+      "`tests/scaling/test_distributed_inverses.py` checks such shares in the compiled "
       "program.", "",
       f"| | {one} | {many} | ratio |", "|---|---:|---:|---:|"]
   for label, key in (("inverse refresh, median ms", "refresh_median_ms"),

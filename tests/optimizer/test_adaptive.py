@@ -489,7 +489,7 @@ def test_bad_combinations_are_rejected():
 
 
 # --------------------------------------------------------------------------
-# The two models of issue 11 whose automatic mode diverged (NaN by step 12
+# The two models of the stability suite whose automatic mode diverged (NaN by step 12
 # and by step 7, momentum -17.7 and -3e8) before the safeguards.
 
 

@@ -12,8 +12,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import kfac_optax
 from tests import brute_force as bf
-from tests.test_capture import SequenceNet
-from tests.test_masks import TokenNet, batch as token_batch
+from tests.models.test_capture import SequenceNet
+from tests.curvature.test_masks import TokenNet, batch as token_batch
 
 
 class ConvNet(nn.Module):

@@ -18,7 +18,7 @@ import pytest
 
 import kfac_optax
 from tests import brute_force as bf
-from tests import test_lifted
+from tests.models import test_lifted
 
 LOSS = kfac_optax.losses.softmax_cross_entropy()
 DAMPING = 1e-2

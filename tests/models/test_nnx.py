@@ -704,7 +704,7 @@ class DenseNet(nnx.Module):
 
 
 def test_sharded_batch_gives_unsharded_updates():
-  """tests/test_sharding.py's check for an NNX model (BatchNorm, dropout): a
+  """tests/scaling/test_sharding.py's check for an NNX model (BatchNorm, dropout): a
   batch sharded over 8 devices (Explicit axes), the inverses distributed
   over them, gives the update of one device."""
   model = DenseNet(nnx.Rngs(0))

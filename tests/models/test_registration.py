@@ -24,8 +24,8 @@ from kfac_optax._src.models import registry
 from examples.gpt2_hf_style import FlaxConv1D as Conv1D  # Hugging Face's layout
 from tests import brute_force as bf
 from tests.conftest import restored_layer_registry
-from tests.test_layers import DAMPING, LOSS, assert_block, dense_reference, f64
-from tests.test_layers import random_tree, summed_nll
+from tests.blocks.test_layers import DAMPING, LOSS, assert_block, dense_reference, f64
+from tests.blocks.test_layers import random_tree, summed_nll
 
 VOCAB, WIDTH, HIDDEN, N, T = 7, 4, 6, 3, 5
 TIED = {"lm_head": "transformer/wte"}

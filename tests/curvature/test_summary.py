@@ -10,7 +10,7 @@ import pytest
 
 import kfac_optax
 from kfac_optax._src.curvature.summary import Factor
-from tests import test_lifted
+from tests.models import test_lifted
 
 LOSS = kfac_optax.losses.softmax_cross_entropy()
 

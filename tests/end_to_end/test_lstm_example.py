@@ -1,6 +1,6 @@
 """Smoke test: the LSTM LM example trains K-FAC (series_option2) and Adam, and plots.
 
-(One K-FAC option keeps it short: each compiles for seconds; tests/test_series.py
+(One K-FAC option keeps it short: each compiles for seconds; tests/blocks/test_series.py
 checks every option's preconditioning.)"""
 
 import math

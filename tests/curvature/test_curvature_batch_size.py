@@ -6,9 +6,9 @@ import pytest
 
 import kfac_optax
 from tests import brute_force as bf
-from tests.test_adaptive import explicit_fisher
-from tests.test_adaptive import flat64
-from tests.test_adaptive import grads_at
+from tests.optimizer.test_adaptive import explicit_fisher
+from tests.optimizer.test_adaptive import flat64
+from tests.optimizer.test_adaptive import grads_at
 
 LOSS = kfac_optax.losses.softmax_cross_entropy()
 DAMPING = 1e-2

@@ -1,7 +1,7 @@
 """An orbax checkpoint of a K-FAC TrainState restores in a fresh process and
 training continues bit-identically to an uninterrupted run.
 
-Run as a script (``python -m tests.test_checkpoint MODE DIR``), one process
+Run as a script (``python -m tests.optimizer.test_checkpoint MODE DIR``), one process
 per mode: ``save`` trains K steps, saves, trains M more and records the
 result; ``resume`` restores the checkpoint in a fresh process, trains M
 steps and records its result.
@@ -56,11 +56,11 @@ def _train(mode: str, directory: str) -> None:
 
 
 def test_restored_checkpoint_continues_bit_identically(tmp_path):
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(
       [root, os.environ.get("PYTHONPATH", "")])}
   for mode in ("save", "resume"):
-    subprocess.run([sys.executable, "-m", "tests.test_checkpoint", mode, str(tmp_path)],
+    subprocess.run([sys.executable, "-m", "tests.optimizer.test_checkpoint", mode, str(tmp_path)],
                    cwd=root, env=env, check=True, timeout=300)
   uninterrupted = np.load(tmp_path / "save.npz")
   resumed = np.load(tmp_path / "resume.npz")

@@ -18,7 +18,7 @@ import pytest
 
 from examples import data_parallel
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "examples", "data_parallel.py")
 # Small enough that compilation dominates: 512 digits, 6 steps of a global
 # batch of 64 (8 per device), inverses refreshed on steps 0, 2 and 4.

@@ -1,6 +1,6 @@
 """Smoke test: the data-parallel example on this process's 8 CPU devices.
 
-(The multi-process run is in `test_multihost.py`.)
+(The multi-process run is in `tests/scaling/test_multihost.py`.)
 """
 
 import numpy as np
