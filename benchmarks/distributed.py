@@ -15,7 +15,7 @@ Repeats are interleaved (unsharded, sharded, unsharded, ...); medians of the
 per-call times are quoted. On CPU the N devices are simulated
 (``jax_num_cpu_devices``) and share the machine's cores, so sharding cannot
 make anything faster there: the figures show its overhead, and the compiled
-HLO (each device factorises 1/N of every stack: `tests/test_distributed_inverses.py`,
+HLO (each device factorises 1/N of every stack: `tests/scaling/test_distributed_inverses.py`,
 recorded here too) stands in for the speed-up that real devices give.
 
 From the repository root::
@@ -72,7 +72,8 @@ def run(args, argv):
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   import kfac_optax
-  from kfac_optax import linalg, sharding
+  from kfac_optax._src import linalg
+  from kfac_optax._src.linalg import stacked_inverses
   if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
   from benchmarks import harness
@@ -107,8 +108,8 @@ def run(args, argv):
   def refresh(stacks):
     return jax.jit(lambda d: linalg.invert_all(d, args.inverse, stacks))
   refreshes = {"1 device": refresh(None),
-               f"{mesh.size} devices": refresh(sharding.stack_sharding(mesh))}
-  buckets = linalg.bucket_sizes(sizes)
+               f"{mesh.size} devices": refresh(linalg.stack_sharding(mesh))}
+  buckets = stacked_inverses.bucket_sizes(sizes)
   per_bucket = {b: sum(buckets[n] == b for n in sizes) for b in set(buckets.values())}
   per_device = {b: f"{-(-n // mesh.size)} of {n}" for b, n in sorted(per_bucket.items())}
 
@@ -194,7 +195,7 @@ def markdown(payload):
       f"{payload['factor_sizes']}; buckets (size -> padded size) "
       f"{payload['buckets']}. Sharded, each device factorises (bucket: "
       f"its share) {payload['per_device']}; the HLO test "
-      "`tests/test_distributed_inverses.py` checks such shares in the compiled "
+      "`tests/scaling/test_distributed_inverses.py` checks such shares in the compiled "
       "program.", "",
       f"| | {one} | {many} | ratio |", "|---|---:|---:|---:|"]
   for label, key in (("inverse refresh, median ms", "refresh_median_ms"),

@@ -1,6 +1,6 @@
 """How long one damped factor inverse takes, by size: the basis of `max_factor_dim`.
 
-Times `linalg.damped_inverse` of one ``n × n`` float32 factor (a random Gram
+Times `damped.damped_inverse` of one ``n × n`` float32 factor (a random Gram
 matrix ``X Xᵀ / m`` with ``m = 2n`` rows, as a layer's statistics are) with
 each inverse method, jitted, after one compiling call; the best of
 ``--repeats`` runs (one run above 2048: each takes seconds to minutes).
@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kfac_optax import linalg  # pylint: disable=wrong-import-position
+from kfac_optax._src import linalg  # pylint: disable=wrong-import-position
+from kfac_optax._src.linalg import damped  # pylint: disable=wrong-import-position
 
 SIZES = (512, 1024, 2048, 3072, 4096, 6144, 8192)
 
@@ -33,7 +34,7 @@ def time_inverse(n: int, method: str, repeats: int) -> float:
   """Seconds for one jitted ``(F + 1e-2 I)⁻¹`` of an ``n × n`` factor."""
   rows = jax.random.normal(jax.random.key(n), (n, 2 * n), jnp.float32)
   factor = rows @ rows.T / (2 * n)
-  invert = jax.jit(lambda m: linalg.damped_inverse(m, jnp.float32(1e-2), method))
+  invert = jax.jit(lambda m: damped.damped_inverse(m, jnp.float32(1e-2), method))
   invert(factor).block_until_ready()  # compile
   best = float("inf")
   for _ in range(repeats if n <= 2048 else 1):

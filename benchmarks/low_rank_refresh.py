@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import autoencoder  # pylint: disable=wrong-import-position
-from kfac_optax import linalg  # pylint: disable=wrong-import-position
+from kfac_optax._src import linalg  # pylint: disable=wrong-import-position
 
 SLEEP_S = 0.3
 

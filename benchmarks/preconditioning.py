@@ -24,7 +24,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import autoencoder  # pylint: disable=wrong-import-position
 from benchmarks import harness  # pylint: disable=wrong-import-position
-from kfac_optax import transform  # pylint: disable=wrong-import-position,wrong-import-order
+
+from kfac_optax._src.optimizer import inspection  # pylint: disable=wrong-import-position,wrong-import-order
 
 
 def preconditioner(workload, batch, params, grads, rank):
@@ -32,7 +33,7 @@ def preconditioner(workload, batch, params, grads, rank):
   defaults = autoencoder.DEFAULTS
   tx = harness.kfac_optax_tx(workload, batch, learning_rate=defaults["kfac_lr"],
                              damping=defaults["kfac_damping"], factor_rank=rank)
-  curvature, = transform._curvatures_in(tx, set())  # pylint: disable=protected-access
+  curvature, = inspection._curvatures_in(tx, set())  # pylint: disable=protected-access
   update = jax.jit(lambda g, s: tx.update(g, s, params, batch=batch,
                                           rng=jax.random.key(0)))
   _, state = update(grads, tx.init(params))  # statistics and inverses of step 0

@@ -58,9 +58,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import harness  # pylint: disable=wrong-import-position
 from examples import datasets  # pylint: disable=wrong-import-position
 from examples import mlp_classifier  # pylint: disable=wrong-import-position
-from kfac_optax import linalg  # pylint: disable=wrong-import-position
-
 import kfac_optax  # pylint: disable=wrong-import-position,wrong-import-order
+from kfac_optax._src import linalg  # pylint: disable=wrong-import-position
+from kfac_optax._src.linalg import damped  # pylint: disable=wrong-import-position
+from kfac_optax._src.linalg import newton_schulz  # pylint: disable=wrong-import-position
 
 SIZES = (128, 256, 512, 1024, 2048)
 METHODS = ("eigh", "cholesky", "newton_schulz cold", "newton_schulz warm")
@@ -98,11 +99,11 @@ def time_inverses(sizes, repeats):
   seconds, iterations = {m: {} for m in METHODS}, {}
   for n in sizes:
     old, new, damping = factors(n)
-    previous = linalg.damped_inverse(old, damping, "cholesky")
-    newton = jax.jit(linalg.newton_schulz_inverse)
+    previous = damped.damped_inverse(old, damping, "cholesky")
+    newton = jax.jit(newton_schulz.newton_schulz_inverse)
     calls = {
-        "eigh": jax.jit(lambda m, d: linalg.damped_inverse(m, d, "eigh")),
-        "cholesky": jax.jit(lambda m, d: linalg.damped_inverse(m, d, "cholesky")),
+        "eigh": jax.jit(lambda m, d: damped.damped_inverse(m, d, "eigh")),
+        "cholesky": jax.jit(lambda m, d: damped.damped_inverse(m, d, "cholesky")),
         "newton_schulz cold": lambda m, d: newton(m, d).inverse,
         "newton_schulz warm": lambda m, d: newton(m, d, previous).inverse}
     iterations[n] = {start: int(newton(new, damping, *args).iterations)
@@ -166,7 +167,7 @@ def example_iterations(steps: int, every: int = 50):
         for name, damping in (("a", a_damping), ("g", g_damping)):
           matrix, old = getattr(factors, name)[0], getattr(previous[key], name)[0]
           counts.setdefault(f"{key} {name} {matrix.shape[0]}", []).append(tuple(
-              int(linalg.newton_schulz_inverse(matrix, damping, *start).iterations)
+              int(newton_schulz.newton_schulz_inverse(matrix, damping, *start).iterations)
               for start in ((), (old,))))
     if i % 5 == 0:  # the inverses in use after this step (the state is donated)
       previous = jax.tree.map(jnp.copy, curvature.inverses)

@@ -13,7 +13,7 @@ of the 128 examples) with exact inverses, interleaved in one run
    jax traces them (XLA:CPU compiles the backward ones, inside the cond, as
    plain loops);
 5. the same with the convolution Gram in one-example chunks
-   (`blocks._MIN_CHUNK_FLOATS` = 1, the bound before it);
+   (`kronecker._MIN_CHUNK_FLOATS` = 1, the bound before it);
 6. the same with the Gram of the whole patches, without its translation
    structure (`kfac_optax.conv_gram`).
 
@@ -42,9 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import harness  # pylint: disable=wrong-import-position
 from benchmarks import resnet  # pylint: disable=wrong-import-position
 
-from kfac_optax import blocks  # pylint: disable=wrong-import-position,wrong-import-order
-from kfac_optax import conv_gram  # pylint: disable=wrong-import-position,wrong-import-order
-from kfac_optax import curvature  # pylint: disable=wrong-import-position,wrong-import-order
+from kfac_optax._src.blocks import conv_gram  # pylint: disable=wrong-import-position,wrong-import-order
+from kfac_optax._src.blocks import kronecker  # pylint: disable=wrong-import-position,wrong-import-order
+from kfac_optax._src.curvature import canonical_convolutions  # pylint: disable=wrong-import-position,wrong-import-order
 
 NAME = "statistics_step"
 SCRIPT = "benchmarks/statistics_step.py"
@@ -56,10 +56,10 @@ VARIANTS = (
     ("statistics every step (no lax.cond)", 1, contextlib.nullcontext),
     ("statistics every 2nd step (lax.cond)", 2, contextlib.nullcontext),
     ("every 2nd, convolutions as traced", 2,
-     lambda: mock.patch.object(curvature.conv_layout, "canonical_convolutions",
+     lambda: mock.patch.object(canonical_convolutions, "canonical_convolutions",
                                lambda fn: fn)),
     ("every 2nd, one-example Gram chunks", 2,
-     lambda: mock.patch.object(blocks, "_MIN_CHUNK_FLOATS", 1)),
+     lambda: mock.patch.object(kronecker, "_MIN_CHUNK_FLOATS", 1)),
     ("every 2nd, Gram of the whole patches", 2,
      lambda: mock.patch.object(conv_gram, "applies", lambda *args: False)),
 )

@@ -1,29 +1,38 @@
-"""K-FAC (Kronecker-factored approximate curvature) as an optax transformation."""
+"""K-FAC (Kronecker-factored approximate curvature) as an optax transformation.
+
+The public surface: the names below, and the modules `kfac_optax.losses`
+(predictive distributions), `kfac_optax.layouts` (layer layouts for
+`register_layer`) and `kfac_optax.sharding` (placing the state on a mesh).
+Everything under `kfac_optax._src` is internal (docs/design.md maps it).
+"""
 
 from kfac_optax import layouts
 from kfac_optax import losses
 from kfac_optax import sharding
-from kfac_optax import summary
-from kfac_optax.adaptive import norm_constraint
-from kfac_optax.blocks import KroneckerFactors
-from kfac_optax.curvature import Curvature
-from kfac_optax.curvature import model_rngs
-from kfac_optax.layers import register_layer
-from kfac_optax.summary import FallbackWarning
-from kfac_optax.train_state import TrainState
-from kfac_optax.transform import KFACState
-from kfac_optax.transform import ScaleByKFACState
-from kfac_optax.transform import describe
-from kfac_optax.transform import kfac
-from kfac_optax.transform import scale_by_kfac
-from kfac_optax.transform import stats
+from kfac_optax._src.blocks.kronecker import KroneckerFactors
+from kfac_optax._src.curvature.curvature import Curvature
+from kfac_optax._src.curvature.model_call import model_rngs
+from kfac_optax._src.curvature.options import CurvatureOptions
+from kfac_optax._src.curvature.state import ScaleByKFACState
+from kfac_optax._src.curvature.summary import FallbackWarning
+from kfac_optax._src.curvature.summary import Summary
+from kfac_optax._src.models.registry import register_layer
+from kfac_optax._src.optimizer.adaptive import norm_constraint
+from kfac_optax._src.optimizer.inspection import describe
+from kfac_optax._src.optimizer.inspection import stats
+from kfac_optax._src.optimizer.kfac import kfac
+from kfac_optax._src.optimizer.kfac_step import KFACState
+from kfac_optax._src.optimizer.scale_by_kfac import scale_by_kfac
+from kfac_optax._src.train_state import TrainState
 
 __all__ = [
     "Curvature",
+    "CurvatureOptions",
     "FallbackWarning",
     "KFACState",
     "KroneckerFactors",
     "ScaleByKFACState",
+    "Summary",
     "TrainState",
     "describe",
     "kfac",
@@ -35,6 +44,5 @@ __all__ = [
     "scale_by_kfac",
     "sharding",
     "stats",
-    "summary",
 ]
 __version__ = "0.1.0"

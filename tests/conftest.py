@@ -60,13 +60,13 @@ single_threaded_lapack().__enter__()  # kept for the whole session
 def restored_layer_registry():
   """Undoes the `register_layer` calls made inside: they are global, and the
   examples' ``main`` makes them too."""
-  from kfac_optax import layers  # pylint: disable=import-outside-toplevel
-  saved = dict(layers._REGISTRY)  # pylint: disable=protected-access
+  from kfac_optax._src.models import registry  # pylint: disable=import-outside-toplevel
+  saved = dict(registry._REGISTRY)  # pylint: disable=protected-access
   try:
     yield
   finally:
-    layers._REGISTRY.clear()  # pylint: disable=protected-access
-    layers._REGISTRY.update(saved)  # pylint: disable=protected-access
+    registry._REGISTRY.clear()  # pylint: disable=protected-access
+    registry._REGISTRY.update(saved)  # pylint: disable=protected-access
 
 
 @pytest.fixture(autouse=True)

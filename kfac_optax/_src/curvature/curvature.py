@@ -1,0 +1,422 @@
+"""K-FAC's curvature estimate of one model: statistics, inverses, products.
+
+`Curvature` holds everything static about a model's curvature (its options,
+the model and its loss) and works on a `state.ScaleByKFACState`:
+
+- `Curvature.update`: capture layer inputs and output gradients on a batch,
+  fold the batch statistics into a debiased EMA, refresh damped inverses on
+  schedule (docs/design.md, "Data flow of one update");
+- `Curvature.precondition`: ``F̂⁻¹ v`` with the stored damped inverses;
+- `Curvature.multiply`: ``(F̂ + damping)^p v`` for any power ``p`` (the
+  approximate Fisher, its damped inverse and inverse square root);
+- `Curvature.exact_product`: the exact Fisher (= GGN for the losses here)
+  times a vector on a batch, by forward-mode differentiation.
+
+Which block owns which params is the model's `plan`, found by tracing it;
+how the model is called is `model_call`. `optimizer.scale_by_kfac` and
+`optimizer.kfac` wrap `Curvature` as optax transformations; it is public
+for users who want the products themselves.
+"""
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from kfac_optax._src import linalg
+from kfac_optax._src import losses
+from kfac_optax._src import tree_paths
+from kfac_optax._src.curvature import canonical_convolutions
+from kfac_optax._src.curvature import model_call
+from kfac_optax._src.curvature import options
+from kfac_optax._src.curvature import plan as plans
+from kfac_optax._src.curvature import summary
+from kfac_optax._src.curvature.state import FALLBACK
+from kfac_optax._src.curvature.state import ScaleByKFACState
+from kfac_optax._src.models import capture
+from kfac_optax._src.models import front_end
+from kfac_optax._src.models import nnx_capture
+
+
+def _all_finite(tree: Any) -> jax.Array:
+  return jnp.all(jnp.array(
+      [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]))
+
+
+def on_schedule(period: Any, count: jax.Array, refresh: Callable[[Any], Any],
+                current: Any) -> Any:
+  """``refresh(current)`` when ``count % period == 0``, else ``current``.
+
+  A static period of 1 skips the `lax.cond`, so XLA sees the work
+  unconditionally and can share it with the user's own forward pass.
+  """
+  if isinstance(period, int) and period == 1:
+    return refresh(current)
+  return jax.lax.cond(count % period == 0, refresh, lambda c: c, current)
+
+
+def statistics_batch(batch: Any, size: int | None) -> Any:
+  """The first ``size`` examples of ``batch`` (``curvature_batch_size``;
+  all of it for None): every leaf sliced on its leading axis."""
+  if size is None:
+    return batch
+  leaves = jax.tree.leaves(batch)
+  leading = {jnp.shape(leaf)[0] if jnp.ndim(leaf) else None for leaf in leaves}
+  if len(leading) != 1 or None in leading:
+    shapes = [tuple(jnp.shape(leaf)) for leaf in leaves]
+    raise ValueError(
+        f"curvature_batch_size={size} takes the first {size} examples of every "
+        f"leaf of the batch, but its leaves have no common leading (batch) "
+        f"axis: shapes {shapes[:8]}{' ...' if len(shapes) > 8 else ''}.\nFix: "
+        "give every leaf of the batch the examples on its first axis, or "
+        "curvature_batch_size=None (statistics from the whole batch).")
+  (batch_size,) = leading
+  if size > batch_size:
+    raise ValueError(
+        f"curvature_batch_size={size} exceeds the batch size {batch_size}.\n"
+        f"Fix: curvature_batch_size <= {batch_size}, or None (statistics from "
+        "the whole batch).")
+  return jax.tree.map(lambda leaf: leaf[:size], batch)
+
+
+def fold_in(ema_decay: float, factors: Any, stats_count: jax.Array,
+          rejected: jax.Array, batch_stats: Any) -> tuple[Any, jax.Array, jax.Array]:
+  """Debiased EMA: D_t = D_{t-1} + (1-ρ)/(1-ρ^t) (B_t - D_{t-1})."""
+  new_count = stats_count + 1
+  weight = (1.0 - ema_decay) / (1.0 - jnp.power(ema_decay, new_count))
+  new = jax.tree.map(lambda old, b: old + weight * (b - old), factors, batch_stats)
+  finite = _all_finite(batch_stats)  # non-finite statistics never enter
+  return (jax.tree.map(lambda n, o: jnp.where(finite, n, o).astype(o.dtype),
+                       new, factors),
+          jnp.where(finite, new_count, stats_count),
+          rejected + jnp.where(finite, 0, 1))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Curvature(options.CurvatureOptions):
+  """The K-FAC curvature of a flax model; see `optimizer.scale_by_kfac`.
+
+  Its options are `options.CurvatureOptions` (keyword-only); ``damping`` is
+  not one: it is passed to `update` and the products, so that callers can
+  adapt it. An
+  ``nnx.Module`` given as ``apply_fn`` is replaced by its
+  `nnx_capture.NNXModel`; params and vectors may then hold ``nnx.Variable``
+  leaves, and products come back in the structure of the vector given.
+
+  Example:
+    >>> import flax.linen as nn, jax, jax.numpy as jnp, kfac_optax
+    >>> model = nn.Dense(3)
+    >>> batch = (jnp.ones((8, 4)), jnp.zeros((8,), jnp.int32))
+    >>> params = model.init(jax.random.key(0), batch[0])["params"]
+    >>> curvature = kfac_optax.Curvature(
+    ...     model.apply, kfac_optax.losses.softmax_cross_entropy(),
+    ...     example_batch=batch, estimation="empirical")
+    >>> state = curvature.update(curvature.init(params), params, batch=batch,
+    ...                          damping=1e-3)
+    >>> fv = curvature.multiply(state, params, power=1)      # F̂ v
+    >>> v = curvature.multiply(state, fv, power=-1, damping=1e-3)  # ≈ params
+  """
+
+  apply_fn: Callable[..., Any]
+  loss: losses.PredictiveLoss
+  example_batch: Any
+
+  def __post_init__(self):
+    # An nnx.Module runs through its own front-end (see `nnx_capture`).
+    object.__setattr__(self, "apply_fn", front_end.front_end(self.apply_fn))
+    if not isinstance(self.loss, losses.PredictiveLoss):
+      raise TypeError(
+          "loss must be a kfac_optax.losses predictive distribution, e.g. "
+          "kfac_optax.losses.softmax_cross_entropy() for integer labels, got "
+          f"{self.loss!r}: K-FAC samples targets from it and needs its output "
+          "Fisher, which a loss function such as optax's does not give")
+    super().__post_init__()
+
+  # -- the model ------------------------------------------------------------
+
+  @functools.cached_property
+  def model(self) -> model_call.ModelCall:
+    """How K-FAC calls the model (see `model_call`)."""
+    return model_call.ModelCall(self.apply_fn, self.inputs, self.outputs,
+                                self.apply_kwargs)
+
+  def forward(self, params: Any, batch: Any, variables: dict | None = None,
+              rng: jax.Array | None = None) -> Any:
+    """The model output on ``batch``, selected by ``outputs=`` (other
+    collections' changes discarded)."""
+    return self.model.forward(nnx_capture.pure(params), batch, variables, rng)
+
+  def loss_value(self, params: Any, batch: Any, variables: dict | None = None,
+                 rng: jax.Array | None = None) -> jax.Array:
+    """The training loss ``loss.value`` of the model on ``batch``."""
+    return self.loss.value(self.forward(params, batch, variables, rng), batch)
+
+  def _plan(self, params, batch, variables, mutable, what) -> plans.Plan:
+    return plans.make(self.model, self.loss, self, params, batch, variables,
+                      mutable, what)
+
+  def _example_plan(self, params: Any) -> plans.Plan:
+    # mutable=True lets flax create collections such as batch_stats that the
+    # example batch needs and the caller does not have (`_discover`).
+    return self._plan(params, self.example_batch, {}, True, "example_batch")
+
+  # -- state ----------------------------------------------------------------
+
+  def describe(self, params: Any) -> summary.Summary:
+    """The block of every module of the model (see `kfac_optax.describe`)."""
+    params = nnx_capture.pure(params)
+    return self._summary(self._example_plan(params), params)
+
+  def _summary(self, plan: plans.Plan, params: Any) -> summary.Summary:
+    flat_params, _ = tree_paths.flatten(params)
+    return summary.summarize(
+        plan.layers, plan.fallback_paths,
+        {path: jnp.shape(leaf) for path, leaf in flat_params.items()},
+        self.override_for, self.factor_rank)
+
+  def init(self, params: Any) -> ScaleByKFACState:
+    """Zero statistics and identity inverses for every block of the model.
+
+    Warns (`summary.FallbackWarning`) when more than half of the parameters
+    fall to the diagonal fallback.
+    """
+    factors, inverses = {}, {}
+    params = nnx_capture.pure(params)
+    plans.check_not_masked(params)
+    dtype = linalg.curvature_dtype(params)
+    plan = self._example_plan(params)
+    if plan.unowned:
+      summary.warn(plans.unowned_message(plan))
+    plans.warn_unmatched_overrides(self, params)
+    summary.warn_if_mostly_fallback(self._summary(plan, params))
+    for key, block in plan.all_blocks().items():
+      factors[key], inverses[key] = jax.tree.map(lambda x: x.astype(dtype),
+                                                 block.init())
+      if self.factor_rank is not None:  # which factors are kept at rank
+        inverses[key] = linalg.low_rank_identities(
+            jax.eval_shape(block.damped, factors[key], jnp.ones([], dtype)),
+            inverses[key], self.factor_rank)
+    # Distinct buffers: a state passed with donate_argnums must not alias.
+    counters = [jnp.zeros([], jnp.int32) for _ in range(5)]
+    return ScaleByKFACState(*counters[:2], factors, inverses,
+                            jnp.full([], jnp.nan, dtype), *counters[2:])
+
+  def _batch_statistics(self, plan, params, batch, variables, rng):
+    flat_params, treedef = tree_paths.flatten(params)
+    sample_key, model_key = jax.random.split(rng)
+    run = front_end.hooked_apply(self.apply_fn, self.model.args(batch),
+                                 self.model.call_kwargs(model_key),
+                                 [*variables, capture.INPUTS])
+
+    def model(fallback_leaves, perturbations):
+      paths = {plan.fallback_paths[k]: leaf for k, leaf in fallback_leaves.items()}
+      full = tree_paths.rebuild(treedef, {**flat_params, **paths})
+      outputs, collections = run(
+          {"params": full, **variables, capture.PERTURBATIONS: perturbations})
+      # No captured layer (every param in the fallback): no kfac_inputs.
+      return self.model.output(outputs), collections.get(capture.INPUTS, {})
+
+    captured = capture.capture(
+        model,
+        {k: flat_params[path] for k, path in plan.fallback_paths.items()},
+        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), plan.perturbations),
+        lambda outputs: losses.output_cotangents(
+            self.loss, outputs, batch, self.estimation, sample_key,
+            self.num_samples))
+    terms = self.loss.terms(captured.outputs, batch)
+    stats = {}
+    for key, (path, block) in plan.layers.items():
+      other_calls = {method: (inputs[path], grads[path]) for method, (inputs, grads)
+                     in captured.other_methods.items() if path in inputs}
+      for call in plan.tied.get(path, ()):  # more uses of the table as `attend`
+        queries, logit_grads = other_calls.get("attend", ((), ()))
+        other_calls["attend"] = (queries + captured.inputs[call],
+                                 logit_grads + captured.output_grads[call])
+      stats[key] = block.statistics(captured.inputs[path],
+                                    captured.output_grads[path], terms, **other_calls)
+    if plan.fallback is not None:
+      stats[FALLBACK] = plan.fallback.statistics(captured.primal_grads, terms)
+    return stats
+
+  def _powers(self, plan, factors, damping, power, method, previous=None,
+              rank=None):
+    """Every block's damped factors raised to ``power`` (batched over blocks;
+    ``previous``: the inverses in use, where a method starts from them;
+    ``rank``: see `linalg.invert_all`)."""
+    return linalg.invert_all(
+        {key: block.damped(factors[key], damping)
+         for key, block in plan.all_blocks().items()},
+        method, linalg.stack_sharding(self.mesh), power=power, previous=previous,
+        rank=rank)
+
+  def _refresh_inverses(self, plan, factors, old, damping):
+    """New inverses, or all the old ones if the damping or any block failed.
+
+    All or nothing, so that every inverse in use has the one damping that
+    the state reports. A damping ≤ 0 (e.g. injected at run time) is
+    rejected even where its inverse happens to be finite.
+    """
+    inverses, old_damping, rejected = old
+    fresh = self._powers(plan, factors, damping, -1, self.inverse, inverses,
+                         self.factor_rank)
+    ok = (damping > 0) & jnp.isfinite(damping) & _all_finite(fresh)
+    keep = lambda n, o: jnp.where(ok, n, o).astype(o.dtype)
+    return (jax.tree.map(keep, fresh, inverses), keep(damping, old_damping),
+            rejected + jnp.where(ok, 0, 1))
+
+  def update(self, state: ScaleByKFACState, params: Any, *, batch: Any,
+             rng: jax.Array | None = None, variables: dict | None = None,
+             damping: Any) -> ScaleByKFACState:
+    """Folds in ``batch``'s statistics and refreshes inverses, on schedule.
+
+    Args:
+      state: the current state.
+      params: the model's params.
+      batch: the training batch (its first ``curvature_batch_size`` examples
+        when that is set).
+      rng: a key (needed for ``estimation="fisher"``/``"curvature_prop"``);
+        it also draws the dropout masks of the statistics' pass. None: the
+        masks come from ``fold_in(key(0), state.count)``, new each step.
+      variables: other collections the model needs (e.g. batch_stats).
+      damping: λ for the inverses refreshed now; a refresh with a λ that
+        is not a positive finite number is rejected (counted in the state).
+    """
+    variables = dict(variables or {})
+    params = nnx_capture.pure(params)
+    batch = statistics_batch(batch, self.curvature_batch_size)
+    plan = self._plan(params, batch, variables, list(variables), "batch")
+    damping = jnp.asarray(damping, state.damping.dtype)
+
+    # Under `on_schedule`'s lax.cond, XLA:CPU would compile the capture's
+    # backward convolutions as plain loops (see `canonical_convolutions`).
+    batch_statistics = canonical_convolutions.canonical_convolutions(
+        functools.partial(self._batch_statistics, plan))
+
+    if rng is None:  # fresh dropout masks each step, not one fixed mask's bias
+      rng = jax.random.fold_in(jax.random.key(0), state.count)
+
+    def with_new_statistics(carry):
+      return fold_in(self.ema_decay, *carry,
+                     batch_statistics(params, batch, variables, rng))
+    factors, stats_count, rejected_statistics = on_schedule(
+        self.stats_update_period, state.count, with_new_statistics,
+        (state.factors, state.stats_count, state.rejected_statistics))
+    inverses, damping, rejected_refreshes = on_schedule(
+        self.inverse_update_period, state.count,
+        lambda old: self._refresh_inverses(plan, factors, old, damping),
+        (state.inverses, state.damping, state.rejected_refreshes))
+    return state._replace(
+        count=optax.safe_increment(state.count), stats_count=stats_count,
+        factors=factors, inverses=inverses, damping=damping,
+        rejected_statistics=rejected_statistics,
+        rejected_refreshes=rejected_refreshes)
+
+  # -- products -------------------------------------------------------------
+
+  def _apply(self, plan: plans.Plan, matrices: dict, vector: Any) -> Any:
+    """Each block's ``matrices`` applied to its leaves of ``vector``."""
+    flat, treedef = tree_paths.flatten(vector)
+    out = dict(flat)
+    for key, (path, block) in plan.layers.items():
+      layer = block.precondition(
+          matrices[key], {n: flat[path + (n,)] for n in block.param_names})
+      out.update({path + (n,): leaf for n, leaf in layer.items()})
+    if plan.fallback is not None:
+      diagonal = plan.fallback.precondition(
+          matrices[FALLBACK], {k: flat[p] for k, p in plan.fallback_paths.items()})
+      out.update({plan.fallback_paths[k]: v for k, v in diagonal.items()})
+    return tree_paths.rebuild(treedef, out)
+
+  def precondition(self, state: ScaleByKFACState, vector: Any) -> Any:
+    """``F̂⁻¹ v`` with the stored damped inverses (``vector``: params-shaped).
+
+    Computed in the state's dtype (float32, or float64), then scaled down
+    if needed to fit each leaf's dtype; see `precondition_and_count`.
+    """
+    return self.precondition_and_count(state, vector)[0]
+
+  def precondition_and_count(self, state: ScaleByKFACState,
+                             vector: Any) -> tuple[Any, ScaleByKFACState]:
+    """`precondition`, and the state with ``rescaled_updates`` counted.
+
+    Where the product's largest entry exceeds 1/16 of the largest finite
+    value of its leaf's dtype (float16 with tiny damping), the whole product
+    is multiplied by one factor that brings it there. One common positive
+    factor keeps K-FAC's direction, with the layers' relative step sizes,
+    which rescaling or dropping one block would not; the headroom leaves
+    room for a learning rate, momentum and the parameters it is added to.
+    Only leaves of a dtype narrower than the product's are checked
+    (bfloat16, float16 with float32 curvature): in the product's own dtype
+    an entry within 16x of its largest value is a step that no training
+    survives either way, and the check is not free. Its scale depends on
+    every leaf, so it holds each product back until all are done
+    (`benchmarks/preconditioning.py`; RESULTS.md, "Low-rank factor
+    inverses").
+    """
+    given, vector = vector, nnx_capture.pure(vector)
+    product = self._apply(self._example_plan(vector), state.inverses, vector)
+    scale = 1.0
+    for u, v in zip(jax.tree.leaves(product), jax.tree.leaves(vector)):
+      if (jnp.issubdtype(v.dtype, jnp.floating)
+          and jnp.finfo(v.dtype).max < jnp.finfo(u.dtype).max):
+        limit = float(jnp.finfo(v.dtype).max) / 16
+        scale = jnp.minimum(scale, limit / jnp.maximum(jnp.max(jnp.abs(u)), limit))
+    fitted = jax.tree.map(lambda u, v: (u * scale).astype(v.dtype), product, vector)
+    return nnx_capture.like(given, fitted), state._replace(
+        rescaled_updates=state.rescaled_updates + jnp.where(scale < 1, 1, 0))
+
+  def multiply(self, state: ScaleByKFACState, vector: Any, *, power: float,
+               damping: Any = 0.0) -> Any:
+    """``(F̂ + damping)^power v`` from the current factors.
+
+    Per Kronecker block ``(A + π√λ I)^p V (G + √λ/π I)^p`` (``p = 1,
+    λ = 0``: ``A V G``, the approximate Fisher itself), per diagonal entry
+    ``(F + λ)^p v``. ``p = -1`` is what `precondition` applies after a
+    refresh with the same damping; ``p = -1/2`` twice equals ``p = -1``.
+
+    Args:
+      state: a state holding factors (e.g. after `update`).
+      vector: a params-shaped tree.
+      power: the exponent p.
+      damping: λ, zero by default.
+    """
+    given, vector = vector, nnx_capture.pure(vector)
+    plan = self._example_plan(vector)
+    powered = self._powers(plan, state.factors,
+                           jnp.asarray(damping, state.damping.dtype), power, "eigh")
+    return nnx_capture.like(given, jax.tree.map(
+        lambda u, v: u.astype(v.dtype), self._apply(plan, powered, vector), vector))
+
+  def output_tangents(self, params: Any, batch: Any, vectors: Any,
+                      variables: dict | None = None, rng: jax.Array | None = None):
+    """``(outputs, J v for each v)``: the model output and its directional
+    derivatives along a stack of params-shaped ``vectors`` (leading axis)."""
+    model = lambda p: self.forward(p, batch, variables, rng)
+    outputs, push = jax.linearize(model, params)
+    return outputs, jax.vmap(push)(vectors)
+
+  def output_fisher(self, outputs: Any, batch: Any, tangents: jax.Array) -> jax.Array:
+    """``(1/L) F_out u`` per term for output tangents ``u`` (``outputs``'
+    shape, after any leading axes of a stack of them), each term weighted
+    by the loss mask: masked terms zero."""
+    terms = self.loss.terms(outputs, batch)
+    product = self.loss.fisher_product(outputs, tangents)
+    if terms.mask is not None:  # the terms' axes are the last but one
+      product = product * terms.mask[..., None]
+    return product / terms.count
+
+  def exact_product(self, params: Any, batch: Any, vector: Any,
+                    variables: dict | None = None, rng: jax.Array | None = None):
+    """The exact Fisher-vector product ``F v = (1/L) Σ_terms Jᵀ F_out J v``.
+
+    For the losses here (exponential families in their natural parameters)
+    the Fisher equals the generalised Gauss-Newton matrix. One linearised
+    forward pass and one backward pass; no matrix is formed.
+    """
+    model = lambda p: self.forward(p, batch, variables, rng)
+    outputs, tangent = jax.jvp(model, (params,), (vector,))
+    _, pull = jax.vjp(model, params)
+    return pull(self.output_fisher(outputs, batch, tangent).astype(outputs.dtype))[0]

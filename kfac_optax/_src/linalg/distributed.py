@@ -1,0 +1,107 @@
+"""A function over a stack of matrices, split over the devices of a mesh.
+
+The inverse refresh stacks factors of similar size (`stacked_inverses`);
+`map_over_stack` applies one matrix's computation to every entry of such a
+stack, each device computing its share when a `StackSharding` is given,
+then gathers the results on every device.
+"""
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class StackSharding:
+  """Shards a stack of matrices along its leading axis over every mesh axis.
+
+  Attributes:
+    axes: the mesh axis names the stack axis is split over.
+    num_shards: the product of their sizes; stacks are padded to a multiple.
+    mesh: a concrete mesh, or ``None`` to use the context mesh (``jax.set_mesh``).
+  """
+
+  axes: tuple[str, ...]
+  num_shards: int
+  mesh: jax.sharding.Mesh | None = None
+
+  def map(self, f: Callable[..., jax.Array], *stacks: jax.Array) -> jax.Array:
+    """``f`` on each device's ``1/num_shards`` of the stacks, then all-gathered."""
+    spec = PartitionSpec(self.axes)
+    local = jax.shard_map(f, mesh=self.mesh, in_specs=spec, out_specs=spec)(*stacks)
+    replicated = (PartitionSpec() if self.mesh is None
+                  else NamedSharding(self.mesh, PartitionSpec()))
+    return jax.lax.with_sharding_constraint(local, replicated)
+
+
+def stack_sharding(mesh: jax.sharding.Mesh | None) -> StackSharding | None:
+  """How inverse stacks are distributed: over ``mesh``, else the context mesh.
+
+  Returns ``None`` (no distribution) without a mesh or on a single device.
+  Inside a context mesh `StackSharding.map` uses it (as an abstract mesh),
+  which also holds under `jax.sharding.auto_axes` (see
+  `optimizer.explicit_axes`).
+  """
+  context = jax.sharding.get_abstract_mesh()
+  if not context.empty:
+    axes, size, concrete = context.axis_names, context.size, None
+  elif mesh is not None:
+    axes, size, concrete = mesh.axis_names, mesh.size, mesh
+  else:
+    return None
+  if size == 1:
+    return None
+  return StackSharding(tuple(axes), size, concrete)
+
+
+def map_over_stack(each: Callable[..., Any], stacks: tuple,
+                   stack_sharding: StackSharding | None,
+                   batched: bool = False) -> Any:
+  """``each`` over the leading axis of ``stacks``, split over devices if sharded.
+
+  With ``stack_sharding`` the stacks are padded to a multiple of its
+  ``num_shards`` (with copies of their first entry, skipped on CPU unless
+  ``batched``), so every device handles an equal share; the results are
+  gathered back. ``batched``: ``each`` takes whole stacks (a device's
+  share) instead of one matrix each.
+  """
+  if batched:
+    run = lambda *s, real=None: each(*s)
+  else:
+    run = functools.partial(over_stack, each)
+  if stack_sharding is None:
+    return run(*stacks)
+  count = len(stacks[0])
+  extra = -count % stack_sharding.num_shards
+  padded = [jnp.concatenate([s, jnp.broadcast_to(s[:1], (extra, *s.shape[1:]))])
+            for s in stacks]
+  real = jnp.arange(count + extra) < count
+  return stack_sharding.map(lambda r, *s: run(*s, real=r), real, *padded)
+
+
+def over_stack(each, *stacks: jax.Array, real: jax.Array | None = None) -> Any:
+  """``each`` over a stack of matrices: vmapped, but one at a time on CPU.
+
+  On CPU a batched eigh/Cholesky is one LAPACK custom call that fans the
+  batch out over XLA's intra-op thread pool and blocks until it is done;
+  two such calls running at once can each wait for the other's queued work
+  and deadlock a small pool (seen with jaxlib 0.10 on 2 cores). `lax.map`
+  keeps every CPU call to a single matrix, and skips the padding entries
+  (``real`` false) that only make the stack divide over devices: simulated
+  CPU devices share the same cores.
+  """
+  if jax.default_backend() != "cpu":
+    return jax.vmap(each)(*stacks)
+  if real is None:
+    return jax.lax.map(lambda args: each(*args), stacks)
+  shapes = jax.eval_shape(each, *(s[0] for s in stacks))
+
+  def skip(args):  # zeros derived from an input: varying over shard_map's axes too
+    zero = jnp.zeros_like(args[1].reshape(-1)[0])
+    return jax.tree.map(lambda x: jnp.broadcast_to(zero, x.shape).astype(x.dtype), shapes)
+  return jax.lax.map(lambda args: jax.lax.cond(
+      args[0], lambda: each(*args[1:]), lambda: skip(args)), (real, *stacks))

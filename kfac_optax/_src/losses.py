@@ -1,0 +1,335 @@
+"""Predictive distributions that K-FAC needs to know about the training loss.
+
+Each loss is the negative log-likelihood of a distribution over targets given
+the model output ``f``. It reduces its event axis (the last axis of ``f``) and
+averages over every leading axis, so a batch holding ``L`` terms (examples, or
+examples x positions) has loss ``(1/L) sum_i -log p(y_i | f_i)``.
+
+Besides its value, K-FAC needs from a loss: samples ``y ~ p(y|f)``
+(``estimation="fisher"``), a square root of the output Fisher
+``F_out = E_y[∇_f log p ∇_f log pᵀ]`` (``"exact"``, ``"curvature_prop"``),
+the gradient of the summed NLL with respect to ``f`` (every mode), and the
+product ``F_out u`` (exact curvature-vector products).
+"""
+
+import dataclasses
+from typing import Any, Callable, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from kfac_optax._src.linalg import precision
+
+Batch = Any
+Estimation = str
+ESTIMATIONS = ("fisher", "empirical", "exact", "curvature_prop")
+
+
+def batch_element(batch: Batch, index: int, argument: str, where: str) -> Any:
+  """``batch[index]``, the default of ``argument=``; a TypeError naming that
+  argument if the batch is not a tuple or list that long."""
+  if isinstance(batch, (tuple, list)) and len(batch) > index:
+    return batch[index]
+  got = (f"has {len(batch)} element(s)" if isinstance(batch, (tuple, list))
+         else f"is not a tuple or list (its type: {type(batch).__name__})")
+  raise TypeError(f"the default `{argument}` reads batch[{index}], but the "
+                  f"batch {got}; pass {argument}=lambda batch: ... to {where}")
+
+
+def _second_element(batch: Batch) -> jax.Array:
+  return batch_element(batch, 1, "targets", "the loss")
+
+
+@dataclasses.dataclass(frozen=True)
+class PredictiveLoss:
+  """Base class: a negative log-likelihood with sampling and Fisher access.
+
+  Attributes:
+    targets: batch -> targets of the loss (default: ``batch[1]``).
+    mask: batch -> which terms count (shape ``outputs.shape[:-1]``, e.g. a
+      per-token padding mask), or None for all. Masked terms leave the loss,
+      its gradients and every K-FAC statistic (see `Terms`). Non-negative
+      weights work too: the loss is ``Σ w NLL / Σ w``, and a term of weight
+      k enters every statistic as k copies of it would.
+  """
+
+  targets: Callable[[Batch], jax.Array] = _second_element
+  mask: Callable[[Batch], jax.Array] | None = None
+
+  # For messages: the factory's name, and what its targets must be.
+  NAME: ClassVar[str] = "loss"
+  TARGETS: ClassVar[str] = ("targets of the outputs' shape (one output unit "
+                            "still has its last axis: y[..., None])")
+  INTEGER_TARGETS: ClassVar[bool] = False
+
+  def target_shape(self, outputs_shape: tuple) -> tuple:
+    """The shape ``targets(batch)`` must have for outputs of ``outputs_shape``."""
+    return tuple(outputs_shape)
+
+  def batch_targets(self, outputs: jax.Array, batch: Batch) -> jax.Array:
+    """``targets(batch)``, checked against ``outputs`` at trace time.
+
+    Raises:
+      ValueError: naming the loss, both shapes and what ``targets=`` must
+        return, if the targets do not fit (instead of broadcasting silently).
+    """
+    targets = self.targets(batch)
+    expected = self.target_shape(jnp.shape(outputs))
+    integer = jnp.issubdtype(jnp.result_type(targets), jnp.integer)
+    if jnp.shape(targets) != expected or (self.INTEGER_TARGETS and not integer):
+      raise ValueError(
+          f"{self.NAME}: targets(batch) has shape {jnp.shape(targets)} "
+          f"({jnp.result_type(targets)}) for outputs of shape "
+          f"{jnp.shape(outputs)}; targets= must return {self.TARGETS}, here "
+          f"{expected}")
+    return targets
+
+  def batch_mask(self, outputs: jax.Array, batch: Batch) -> jax.Array:
+    """``mask(batch)``, checked to have the terms' shape ``outputs.shape[:-1]``.
+
+    Raises:
+      ValueError: if it has another shape (broadcasting would weight the
+        wrong terms, or every term by every mask entry).
+    """
+    mask = self.mask(batch)
+    if jnp.shape(mask) != jnp.shape(outputs)[:-1]:
+      raise ValueError(
+          f"{self.NAME}: mask(batch) has shape {jnp.shape(mask)} for outputs of "
+          f"shape {jnp.shape(outputs)}; it must have the shape of the loss "
+          f"terms, outputs.shape[:-1] = {jnp.shape(outputs)[:-1]} (one entry "
+          "per term: the last axis is the distribution's, so a mask cannot "
+          "select parts of it)")
+    return mask
+
+  def nll(self, outputs: jax.Array, targets: jax.Array) -> jax.Array:
+    """Per-term negative log-likelihood, shape ``outputs.shape[:-1]``."""
+    raise NotImplementedError
+
+  def sample(self, rng: jax.Array, outputs: jax.Array) -> jax.Array:
+    """One draw of targets from the model's predictive distribution."""
+    raise NotImplementedError
+
+  def fisher_sqrt(self, outputs: jax.Array) -> jax.Array:
+    """Columns ``B[k]`` (shape ``(C, *outputs.shape)``) with ``Σ_k B_k B_kᵀ = F_out``.
+
+    ``F_out`` is the Fisher of the distribution with respect to ``f``, one
+    ``C x C`` matrix per term, ``C = outputs.shape[-1]``.
+    """
+    raise NotImplementedError
+
+  def fisher_product(self, outputs: jax.Array, u: jax.Array) -> jax.Array:
+    """``F_out u`` per term, for ``u`` of shape ``(..., *outputs.shape)``."""
+    raise NotImplementedError
+
+  def value(self, outputs: jax.Array, batch: Batch) -> jax.Array:
+    """The training loss: the mean NLL over the (unmasked) terms of the batch."""
+    nll = self.nll(outputs, self.batch_targets(outputs, batch))
+    if self.mask is None:
+      return jnp.mean(nll)
+    mask = self.batch_mask(outputs, batch).astype(nll.dtype)
+    return jnp.sum(nll * mask) / jnp.sum(mask)
+
+  def terms(self, outputs: jax.Array, batch: Batch) -> "Terms":
+    """The loss terms of this batch: how many count, and which."""
+    if self.mask is None:
+      return Terms(outputs.size // outputs.shape[-1])
+    mask = self.batch_mask(outputs, batch).astype(jnp.float32)
+    return Terms(jnp.sum(mask), mask)
+
+
+class Categorical(PredictiveLoss):
+  """Categorical distribution over the last axis of the logits ``f``.
+
+  Targets are integer labels of shape ``f.shape[:-1]``. With ``p = softmax(f)``
+  the output Fisher is ``diag(p) - p pᵀ``; its square root has columns
+  ``B_k = sqrt(p_k) (e_k - p)``.
+  """
+
+  NAME = "softmax_cross_entropy"
+  TARGETS = "integer class labels (not one-hot) of shape outputs.shape[:-1]"
+  INTEGER_TARGETS = True
+
+  def target_shape(self, outputs_shape):
+    return tuple(outputs_shape[:-1])
+
+  def nll(self, outputs, targets):
+    return optax.softmax_cross_entropy_with_integer_labels(
+        precision.at_least_float32(outputs), targets)
+
+  def sample(self, rng, outputs):
+    return jax.random.categorical(rng, precision.at_least_float32(outputs))
+
+  def fisher_sqrt(self, outputs):
+    p = jax.nn.softmax(precision.at_least_float32(outputs))
+    root_p = jnp.sqrt(p)
+    # columns[..., k, j] = sqrt(p_k) (δ_kj - p_j)
+    columns = _diagonal_embed(root_p) - root_p[..., :, None] * p[..., None, :]
+    return jnp.moveaxis(columns, -2, 0)
+
+  def fisher_product(self, outputs, u):
+    p = jax.nn.softmax(precision.at_least_float32(outputs))
+    return p * u - p * jnp.sum(p * u, -1, keepdims=True)
+
+
+class Bernoulli(PredictiveLoss):
+  """Independent Bernoulli per output unit, summed over the last axis.
+
+  Targets are in [0, 1] with the shape of ``f``. The output Fisher is
+  ``diag(σ(f)(1 - σ(f)))``.
+  """
+
+  NAME = "sigmoid_cross_entropy"
+
+  def nll(self, outputs, targets):
+    return jnp.sum(optax.sigmoid_binary_cross_entropy(
+        precision.at_least_float32(outputs), targets), axis=-1)
+
+  def sample(self, rng, outputs):
+    probs = jax.nn.sigmoid(precision.at_least_float32(outputs))
+    return jax.random.bernoulli(rng, probs).astype(probs.dtype)
+
+  def fisher_sqrt(self, outputs):
+    probs = jax.nn.sigmoid(precision.at_least_float32(outputs))
+    return jnp.moveaxis(_diagonal_embed(jnp.sqrt(probs * (1 - probs))), -2, 0)
+
+  def fisher_product(self, outputs, u):
+    probs = jax.nn.sigmoid(precision.at_least_float32(outputs))
+    return probs * (1 - probs) * u
+
+
+class Gaussian(PredictiveLoss):
+  """Unit-variance Gaussian: ``0.5 ||y - f||²`` over the last axis.
+
+  The output Fisher is the identity.
+  """
+
+  NAME = "squared_error"
+
+  def nll(self, outputs, targets):
+    return 0.5 * jnp.sum(
+        jnp.square(targets - precision.at_least_float32(outputs)), axis=-1)
+
+  def sample(self, rng, outputs):
+    outputs = precision.at_least_float32(outputs)
+    return outputs + jax.random.normal(rng, outputs.shape)
+
+  def fisher_sqrt(self, outputs):
+    ones = jnp.ones(outputs.shape, precision.at_least_float32(outputs).dtype)
+    return jnp.moveaxis(_diagonal_embed(ones), -2, 0)
+
+  def fisher_product(self, outputs, u):
+    return precision.at_least_float32(u)
+
+
+def softmax_cross_entropy(
+    targets: Callable[[Batch], jax.Array] = _second_element,
+    mask: Callable[[Batch], jax.Array] | None = None) -> Categorical:
+  """Softmax cross-entropy with integer labels ``targets(batch)``."""
+  return Categorical(targets, mask)
+
+
+def sigmoid_cross_entropy(
+    targets: Callable[[Batch], jax.Array] = _second_element,
+    mask: Callable[[Batch], jax.Array] | None = None) -> Bernoulli:
+  """Sigmoid cross-entropy summed over the last axis; targets in [0, 1]."""
+  return Bernoulli(targets, mask)
+
+
+def squared_error(
+    targets: Callable[[Batch], jax.Array] = _second_element,
+    mask: Callable[[Batch], jax.Array] | None = None) -> Gaussian:
+  """``0.5 ||y - f||²`` summed over the last axis (unit-variance Gaussian)."""
+  return Gaussian(targets, mask)
+
+
+def _diagonal_embed(x: jax.Array) -> jax.Array:
+  """[..., C] -> [..., C, C] with x on the diagonal."""
+  return x[..., :, None] * jnp.eye(x.shape[-1], dtype=x.dtype)
+
+
+class Terms(NamedTuple):
+  """The NLL terms of a batch, as every K-FAC statistic counts them.
+
+  Attributes:
+    count: L, the number of (unmasked) terms: the sum of their weights.
+    mask: float mask (or non-negative weights) over the loss's leading axes,
+      or None. A captured array whose leading axes equal the mask's shape (a
+      layer applied per token of a per-token loss, or any layer under a
+      per-example mask) has its rows weighted by it, so masked positions
+      never enter a statistic. Output gradients carry their term's weight
+      already (`output_cotangents` scales by its square root, so ``g gᵀ``
+      by the weight): their rows are weighted by the mask's `support`.
+  """
+  count: Any
+  mask: jax.Array | None = None
+
+  def support(self) -> "Terms":
+    """These terms with the mask replaced by 1 where it is positive: the row
+    weights of output gradients."""
+    if self.mask is None:
+      return self
+    return self._replace(mask=(self.mask > 0).astype(self.mask.dtype))
+
+  def mask_for(self, shape: tuple) -> jax.Array | None:
+    """The mask, broadcastable to an array of ``shape`` whose leading axes it
+    matches; None if there is no mask or the axes do not match."""
+    if self.mask is None or tuple(shape[:self.mask.ndim]) != self.mask.shape:
+      return None
+    return self.mask.reshape(self.mask.shape + (1,) * (len(shape) - self.mask.ndim))
+
+  def row_weights(self, shape: tuple, num_rows: int) -> jax.Array | None:
+    """Weights for the ``num_rows`` example-major rows of an array of ``shape``."""
+    if self.mask_for(shape) is None:
+      return None
+    return jnp.repeat(self.mask.reshape(-1), num_rows // self.mask.size)
+
+
+def output_cotangents(
+    loss: PredictiveLoss,
+    outputs: jax.Array,
+    batch: Batch,
+    estimation: Estimation,
+    rng: jax.Array | None,
+    num_samples: int,
+) -> jax.Array:
+  """Cotangents on the model output whose backward passes give K-FAC's ``g``.
+
+  Returns an array of shape ``(K, *outputs.shape)``, zero at masked terms
+  and scaled by the square root of a weighted term's weight. Back-propagating
+  cotangent ``k`` gives layer output gradients ``g_k``, scaled so that every
+  Fisher estimate is the plain sum ``Σ_k g_k g_kᵀ``:
+
+  - ``"empirical"``: K = 1, ``∂ Σ_i NLL_i(f, y_batch) / ∂f``.
+  - ``"fisher"``: K = ``num_samples`` draws ``y ~ p(y|f)``, each gradient
+    scaled by ``1/sqrt(K)`` (so the sum is the sample mean).
+  - ``"exact"``: K = C columns of the output-Fisher square root, so
+    ``Σ_k g_k g_kᵀ = Jᵀ F_out J`` exactly.
+  - ``"curvature_prop"``: K = ``num_samples`` Rademacher combinations
+    ``Σ_c r_c B_c / sqrt(K)`` of those columns (independent signs per term),
+    whose expected sum of outer products is ``F_out`` (Martens et al. 2012).
+  """
+  mask = 1.0 if loss.mask is None else jnp.sqrt(jnp.maximum(
+      loss.batch_mask(outputs, batch)[..., None].astype(outputs.dtype), 0))
+
+  def summed_nll_grad(targets):
+    return jax.grad(lambda f: jnp.sum(loss.nll(f, targets)))(outputs)
+
+  if estimation == "empirical":
+    cotangents = summed_nll_grad(loss.batch_targets(outputs, batch))[None]
+  elif estimation == "fisher":
+    keys = jax.random.split(rng, num_samples)
+    samples = jax.vmap(loss.sample, in_axes=(0, None))(keys, outputs)
+    cotangents = jax.vmap(summed_nll_grad)(samples) / jnp.sqrt(num_samples)
+  elif estimation == "exact":
+    cotangents = loss.fisher_sqrt(outputs)
+  elif estimation == "curvature_prop":
+    columns = loss.fisher_sqrt(outputs)  # (C, *outputs.shape)
+    signs = jax.random.rademacher(
+        rng, (num_samples, columns.shape[0], *outputs.shape[:-1]), jnp.float32)
+    cotangents = jnp.einsum("kc...,c...j->k...j", signs, columns) / jnp.sqrt(num_samples)
+  else:
+    raise ValueError(
+        f"estimation must be one of {ESTIMATIONS}, got {estimation!r}")
+  # Masked terms: no gradient; weighted ones: Σ_k g gᵀ scales by the weight.
+  return (cotangents * mask).astype(outputs.dtype)

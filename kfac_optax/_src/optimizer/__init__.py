@@ -1,0 +1,11 @@
+"""The optax transformations and what they add to the curvature.
+
+- `scale_by_kfac`: the preconditioner, ``g -> F̂⁻¹ g``.
+- `kfac`: the optimizer to drop in (`kfac_step`: its update as named steps,
+  and `KFACState`).
+- `adaptive`: the quadratic model's coefficients, the Levenberg-Marquardt
+  rule, the norm constraint.
+- `update_args`: checks of what ``update`` is given.
+- `explicit_axes`: K-FAC's pass with Explicit mesh axes made Auto.
+- `inspection`: `stats` and `describe`.
+"""

@@ -1,0 +1,221 @@
+"""`kfac`: the optimizer to drop in, K-FAC with a learning rate and momentum.
+
+The direction is `scale_by_kfac`'s (the curvature work is `Curvature`'s);
+`kfac` adds the learning rate and momentum (fixed, scheduled, or chosen by
+the quadratic model), an optional norm constraint, adaptive damping and
+burn-in. Its update and state (`KFACState`) are `kfac_step`'s.
+"""
+
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from kfac_optax._src import checks
+from kfac_optax._src import losses
+from kfac_optax._src.curvature import options
+from kfac_optax._src.curvature.curvature import Curvature
+from kfac_optax._src.models import nnx_capture
+from kfac_optax._src.optimizer import explicit_axes
+from kfac_optax._src.optimizer import kfac_step
+from kfac_optax._src.optimizer import scale_by_kfac
+from kfac_optax._src.optimizer import update_args
+from kfac_optax._src.optimizer.kfac_step import KFACState
+
+_NAN = float("nan")
+_OPTIONS = options.DEFAULTS
+# Chosen from the stability suite (benchmarks/STABILITY.md): with a given
+# learning rate, "auto" means momentum 0.9 and a norm constraint (KL clipping)
+# of 1e-3, which kept every suite model finite at learning rates 0.03 and 0.1.
+FIXED_MOMENTUM = 0.9
+FIXED_NORM_CONSTRAINT = 1e-3
+
+
+def _check_kfac_settings(arguments: dict[str, Any]) -> None:
+  """`kfac`'s own numeric settings (`Curvature` checks the shared ones)."""
+  learning_rate = arguments["learning_rate"]
+  if callable(learning_rate):  # a warmup from 0 (optax's usual) moves nothing at first
+    checks.in_range("learning_rate", learning_rate, 0.0)
+  elif learning_rate is not None:
+    checks.positive("learning_rate", learning_rate)
+  if arguments["norm_constraint"] is not None:
+    checks.positive("norm_constraint", arguments["norm_constraint"])
+  for name in ("damping", "min_damping", "max_damping"):
+    checks.positive(name, arguments[name])
+  checks.ordered("min_damping", arguments["min_damping"],
+                 "max_damping", arguments["max_damping"])
+  checks.count("damping_adaptation_interval",
+               arguments["damping_adaptation_interval"], 1)
+  checks.in_range("damping_adaptation_decay", arguments["damping_adaptation_decay"],
+                  0.0, 1.0, low_open=True)
+  checks.in_range("l2_reg", arguments["l2_reg"], 0.0)
+  checks.count("num_burnin_steps", arguments["num_burnin_steps"], 0)
+
+
+@options.document
+def kfac(
+    apply_fn: Callable[..., Any],
+    loss: losses.PredictiveLoss,
+    *,
+    example_batch: Any,
+    learning_rate: optax.ScalarOrSchedule | None = None,
+    momentum: optax.ScalarOrSchedule | str | None = "auto",
+    damping: optax.ScalarOrSchedule = scale_by_kfac.DEFAULT_DAMPING,
+    inputs: Callable[[Any], Any] | None = _OPTIONS.inputs,
+    outputs: Callable[[Any], Any] | None = _OPTIONS.outputs,
+    ema_decay: float = _OPTIONS.ema_decay,
+    inverse_update_period: int = _OPTIONS.inverse_update_period,
+    stats_update_period: int = _OPTIONS.stats_update_period,
+    estimation: str = _OPTIONS.estimation,
+    inverse: str = _OPTIONS.inverse,
+    num_samples: int = _OPTIONS.num_samples,
+    apply_kwargs: dict[str, Any] | None = _OPTIONS.apply_kwargs,
+    layer_overrides: dict[str, str] | None = _OPTIONS.layer_overrides,
+    tied_embeddings: dict[str, str] | None = _OPTIONS.tied_embeddings,
+    mesh: jax.sharding.Mesh | None = _OPTIONS.mesh,
+    max_factor_dim: int | str | None = _OPTIONS.max_factor_dim,
+    curvature_batch_size: int | None = _OPTIONS.curvature_batch_size,
+    factor_rank: int | None = _OPTIONS.factor_rank,
+    norm_constraint: float | str | None = "auto",
+    adaptive_damping: bool | None = None,
+    damping_adaptation_interval: int = 5,
+    damping_adaptation_decay: float = 0.95,
+    min_damping: float = 1e-8,
+    max_damping: float = math.inf,
+    l2_reg: float = 0.0,
+    num_burnin_steps: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+  """K-FAC with a learning rate and momentum: the optimizer to drop in.
+
+  Each update is ``δ = α v + μ δ_prev`` with ``v = F̂⁻¹ g`` the K-FAC
+  preconditioned gradient (`scale_by_kfac`, damped with ``λ + l2_reg``).
+  Two ways to use it:
+
+  - **Automatic** (the default: no ``learning_rate``): α and μ minimise the
+    damped quadratic model ``q(δ) = gᵀδ + ½ δᵀ(F + (λ + l2_reg) I)δ`` along
+    ``v`` and ``δ_prev``, with exact Fisher(=GGN)-vector products on the
+    batch (two forward-mode passes; the "qmodel" momentum of the TF K-FAC
+    optimizer), and λ adapts. Safeguards (`adaptive.quadratic_coefficients`):
+    μ is the model's best in [0, 1]; nearly parallel ``v`` and ``δ_prev``
+    fall back to α alone; a step the model does not predict to lower the
+    loss is not taken.
+  - **Fixed** ``learning_rate`` (a float or a schedule): ``α = -lr``, and
+    ``momentum="auto"`` means μ = 0.9; with ``norm_constraint=c`` (``"auto"``:
+    1e-3), α is scaled down so that ``α² vᵀ F̂ v = α² vᵀ g ≤ c`` (Ba et al.
+    2017). Recommended: ``learning_rate=0.03`` with damping 1e-2 (the
+    stability suite's settings, benchmarks/STABILITY.md).
+    ``learning_rate=None`` with a given ``momentum``, or a given
+    ``learning_rate`` with ``momentum=None``, solves for the free one only.
+
+  ``adaptive_damping`` (default: on in the automatic mode) measures the
+  reduction ratio ``ρ = (h(θ+δ) - h(θ)) / q₀(δ)`` (``q₀`` without λ; one
+  extra forward pass) every ``damping_adaptation_interval`` steps, and on
+  every step after a poor one (ρ < ¼ or nan) until a good one, and moves λ
+  by the Levenberg-Marquardt rule of Martens & Grosse (2015, section 6.5),
+  see `adaptive.levenberg_marquardt`. A step the model does not predict to
+  lower the loss has ρ = nan; a measured step with ρ < 0 or nan is not
+  taken (zero update, momentum restarted).
+
+  The first ``num_burnin_steps`` updates only gather statistics and return
+  zero updates. ``curvature_batch_size`` applies to the factors only: the
+  quadratic model's exact Fisher products, and the losses that adaptive
+  damping compares, use the whole batch like the gradient (they size the
+  step, so they see the data the step is taken on).
+
+  ``l2_reg`` is the coefficient η of an L2 term ``η/2 ‖θ‖²`` that the user
+  adds to the loss (its gradient is the user's): it is added to the
+  curvature (damping and quadratic model), as in the original optimizers.
+
+  Args:
+    apply_fn: the flax apply function, e.g. ``model.apply``, or an NNX
+      model (see `scale_by_kfac`).
+    loss: the model's predictive distribution (`kfac_optax.losses`).
+    example_batch: see `scale_by_kfac`.
+    learning_rate: a float > 0, a schedule of the step (>= 0 at count 0:
+      a warmup from 0 takes no step at first), or None (the automatic
+      mode: chosen by the quadratic model).
+    momentum: a float, a schedule, None (chosen by the quadratic model), or
+      ``"auto"``: None without a learning rate, else 0.9.
+    damping: the Tikhonov λ (see `scale_by_kfac`); with
+      ``adaptive_damping``, the initial λ.
+    {curvature_options}
+    norm_constraint: c, None, or ``"auto"``: 1e-3 with a given learning
+      rate, None without (the quadratic model already sizes the step).
+    adaptive_damping: adapt λ by the Levenberg-Marquardt rule; None: when
+      ``learning_rate`` is None.
+    damping_adaptation_interval: steps between adaptations.
+    damping_adaptation_decay: ω = decay ** interval.
+    min_damping: lower clip of the adapted λ.
+    max_damping: upper clip of the adapted λ.
+    l2_reg: η ≥ 0, the coefficient of the ``η/2 ‖θ‖²`` in the user's loss:
+      added to the curvature, and to the loss change ``ρ`` measures.
+    num_burnin_steps: leading updates that return zeros (an int ≥ 0).
+
+  Settings are checked where given: ``learning_rate`` > 0 when given,
+  ``norm_constraint`` > 0, ``damping`` > 0, ``0 < min_damping ≤
+  max_damping``, ``damping_adaptation_interval`` a positive int,
+  ``damping_adaptation_decay`` in (0, 1], and those of `scale_by_kfac`.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; ``update`` needs
+    ``batch=`` (and ``rng=`` for random estimation modes). Arguments are
+    spelled out so that ``optax.inject_hyperparams(kfac, static_args=
+    ("apply_fn", "num_samples"))`` can inject the numeric ones (list
+    ``curvature_batch_size`` and ``factor_rank`` there too when given).
+
+  Raises:
+    ValueError: for a setting outside its range (a schedule: at count 0).
+
+  References:
+    Martens & Grosse, "Optimizing Neural Networks with Kronecker-factored
+    Approximate Curvature", ICML 2015; Ba, Grosse & Martens, "Distributed
+    Second-Order Optimization using Kronecker-Factored Approximations",
+    ICLR 2017.
+  """
+  settings = dict(locals())
+  for name, value in (("momentum", momentum), ("norm_constraint", norm_constraint)):
+    if isinstance(value, str) and value != "auto":
+      raise ValueError(f'{name} must be a number, None or "auto", got {value!r}')
+  fixed = learning_rate is not None
+  if momentum == "auto":
+    momentum = FIXED_MOMENTUM if fixed else None
+  if norm_constraint == "auto":
+    norm_constraint = FIXED_NORM_CONSTRAINT if fixed else None
+  if adaptive_damping is None:
+    adaptive_damping = learning_rate is None
+  _check_kfac_settings(locals())
+  curvature = Curvature(apply_fn, loss, example_batch, **options.of(settings))
+  if norm_constraint is not None and learning_rate is None:
+    raise ValueError("norm_constraint bounds the step of a given learning "
+                     "rate; with learning_rate=None the quadratic model "
+                     "already chooses the step size")
+  if adaptive_damping and callable(damping):
+    raise ValueError("adaptive_damping adapts λ itself: give damping as the "
+                     "initial value, not a schedule")
+  step = functools.partial(kfac_step.step, kfac_step.Settings(
+      curvature, learning_rate, momentum, norm_constraint, adaptive_damping,
+      damping, damping_adaptation_interval, damping_adaptation_decay,
+      min_damping, max_damping, l2_reg, num_burnin_steps))
+
+  def init_fn(params):
+    # Distinct buffers: a state passed with donate_argnums must not alias.
+    nans = [jnp.full([], _NAN, jnp.float32) for _ in range(5)]
+    return KFACState(
+        curvature.init(params),
+        jax.tree.map(jnp.zeros_like, nnx_capture.pure(params)),
+        jnp.zeros([], jnp.int32),
+        jnp.asarray(update_args.value_at(damping, 0), jnp.float32) + 0.0, *nans)
+
+  def update_fn(grads, state, params=None, *, batch=None, rng=None,
+                variables=None, **extra_args):
+    del extra_args
+    given, grads, params = grads, nnx_capture.pure(grads), nnx_capture.pure(params)
+    update_args.check(curvature.estimation, grads, batch, params, rng, "kfac")
+    delta, state = explicit_axes.update_with_auto_axes(
+        kfac, settings, step, grads, state, params, batch, dict(variables or {}), rng)
+    return nnx_capture.like(given, delta), state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

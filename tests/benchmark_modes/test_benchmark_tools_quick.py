@@ -1,0 +1,78 @@
+"""Quick modes of the benchmark tools that are not workloads: the recipe
+sweep, the sub-batch race, forward sharing, the step profile and the
+statistics step (a file of their own, so that the suite's workers share the
+benchmarks' compile time)."""
+
+import pytest
+
+from benchmarks import curvature_batch
+from benchmarks import forward_sharing
+from benchmarks import harness
+from benchmarks import recipe_sweep
+from benchmarks import statistics_step
+from benchmarks import step_profile
+from kfac_optax._src.blocks import conv_gram
+from kfac_optax._src.curvature import canonical_convolutions
+
+
+def test_recipe_sweep_estimates_each_candidates_time_to_the_budget_target(
+    monkeypatch):
+  """Steps to the workload's targets, and the estimated time ratio: steps to
+  B120s × the candidate's mean step / Adam's seconds to B120s."""
+  targets = [dict(label="T50", loss=1e9, window=harness.WINDOW),
+             dict(label="B120s", loss=1e9, adam_seconds=2.0,
+                  window=harness.BUDGET_WINDOW)]
+  monkeypatch.setattr(recipe_sweep, "reference_run",
+                      lambda name: (targets, 50.0, "2026-01-01"))
+  configs = "learning_rate=0.03,damping=0.01;learning_rate=0.003,norm_constraint=None"
+  result = recipe_sweep.main(["--quick", "--workload", "convnet",
+                              "--configs", configs])
+  rows = result["rows"]
+  assert list(rows) == ["lr=0.03 damping=0.01", "lr=0.003 clip=None"]
+  for row in rows.values():
+    assert row["steps"] == recipe_sweep.QUICK_STEPS
+    assert row["settings"]["stats_update_period"] == harness.RECIPE["stats_update_period"]
+    assert row["to_target"] == [1, 1]  # every loss is below 1e9
+    assert row["estimated_budget_time_vs_adam"] == pytest.approx(
+        row["mean_ms"] / 1e3 / 2.0)
+  assert "| lr=0.003 clip=None |" in recipe_sweep.markdown(result)
+
+
+def test_curvature_batch_quick_mode_races_every_sub_batch():
+  rows = curvature_batch.main(["--quick"])["rows"]
+  sizes = [row["settings"].get("curvature_batch_size") for row in rows.values()]
+  assert sizes[:3] == [4 * sizes[2], 2 * sizes[2], sizes[2]] and sizes[3] is None
+  assert all(row["steps"] == 3 for row in rows.values())
+
+
+def test_forward_pass_is_shared_only_without_a_statistics_cond():
+  (result,) = forward_sharing.main(["--quick"]).values()
+  shared = result["stats_update_period=1"]
+  assert shared["shared"]
+  step = shared["counts"]["training step"]
+  assert step["forward"] == shared["counts"]["user gradient"]["forward"] > 0
+  assert not result["stats_update_period=2"]["shared"]
+
+
+def test_step_profile_quick_mode_times_every_part():
+  (result,) = step_profile.main(["--quick"]).values()
+  assert len(result["median_ms"]) == 5
+  assert all(v > 0 for v in result["median_ms"].values())
+  assert set(result["op_ms_per_step"]) == set(step_profile.PARTS)
+  assert sum(result["op_ms_per_step"].values()) > 0
+
+
+def test_statistics_step_quick_mode_times_each_variant_by_step_kind():
+  originals = (canonical_convolutions.canonical_convolutions, conv_gram.applies)
+  rows = statistics_step.main(["--quick"])["rows"]
+  assert list(rows) == [name for name, _, _ in statistics_step.VARIANTS]
+  plain, every_step, *under_cond = rows.values()
+  assert plain["with_statistics_ms"] is None and plain["without_statistics_ms"] > 0
+  assert every_step["without_statistics_ms"] is None
+  for row in under_cond:  # steps 1-3: statistics at step 2 only
+    assert row["with_statistics_ms"] > 0 and row["without_statistics_ms"] > 0
+    assert row["statistics_cost_ms"] == pytest.approx(
+        row["with_statistics_ms"] - plain["without_statistics_ms"])
+  # The variants' patches were undone.
+  assert (canonical_convolutions.canonical_convolutions, conv_gram.applies) == originals
+  assert statistics_step.kronecker._MIN_CHUNK_FLOATS == 2**22  # pylint: disable=protected-access
