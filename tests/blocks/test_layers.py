@@ -1048,7 +1048,7 @@ class SharedQueriesNet(nn.Module):
 
 def test_a_layer_without_example_axis_sums_the_examples_output_gradients():
   """Its rows are shared by every example, so its g is the sum over the
-  examples of their gradients, cross terms kept (README, "Factors"):
+  examples of their gradients, cross terms kept (docs/design.md, "Mathematical conventions"):
   G = (1/L) Σ_t (Σ_n g_nt)(Σ_n g_nt)ᵀ, A the mean over the T shared rows."""
   x = jnp.asarray(np.random.default_rng(0).normal(size=(BATCH, 3, 2)), jnp.float32)
   y = labels(1)

@@ -282,9 +282,10 @@ def test_nnx_optimizer_under_nnx_jit_compiles_once_and_trains():
 
 
 def test_frozen_layers_stay_put_and_the_others_get_their_kfac_updates():
-  """The README's recipe for training some layers: K-FAC skips the frozen
-  one and a mask zeroes it inside the norm constraint, so the others get
-  their K-FAC directions clipped by their own Fisher norm alone."""
+  """The recipe for training some layers (docs/models.md, "Flax NNX"): K-FAC
+  skips the frozen one and a mask zeroes it inside the norm constraint, so
+  the others get their K-FAC directions clipped by their own Fisher norm
+  alone."""
   model = NNXTiny(nnx.Rngs(0))
   batch = (jax.random.normal(jax.random.key(1), (6, 5)), jnp.arange(6) % 3)
   frozen = lambda params: jax.tree_util.tree_map_with_path(
@@ -737,8 +738,8 @@ def test_params_that_do_not_fit_the_model_are_named():
          "and shapes: K-FAC runs the model, which needs them all. To train some "
          "layers only (wrt=nnx.LoRAParam), give it all params and freeze the "
          "others with layer_overrides={'their/path': 'skip'} and "
-         "optax.masked(optax.set_to_zero(), frozen_mask) after it (the README's "
-         "\"Flax NNX\" has the recipe).")
+         "optax.masked(optax.set_to_zero(), frozen_mask) after it "
+         "(docs/models.md, \"Flax NNX\", has the recipe).")
   with pytest.raises(ValueError) as error:
     tx.init({**params, "extra": {"w": jnp.ones(2)}, "out": {"kernel": jnp.ones((3, 4))}})
   assert str(error.value) == (

@@ -263,7 +263,7 @@ def test_the_gradients_key_as_rng_gives_the_loss_change_the_model_predicts(
   """ρ compares the loss change under K-FAC's noise (drawn from ``rng``) with
   a model built on the user's gradient: the gradient's noise drawn from the
   same key as ``rng`` (``model_rngs`` for streams other than dropout) gives
-  ρ ≈ 1 at small steps, another key a ρ well below (the README's advice)."""
+  ρ ≈ 1 at small steps, another key a ρ well below (the advice of docs/models.md, "How `apply_fn` is called")."""
   params = model.init(jax.random.key(0), BATCH[0])["params"]
   tx = kfac_optax.kfac(model.apply, LOSS, example_batch=BATCH, damping=10.0,
                        damping_adaptation_interval=1)

@@ -368,7 +368,7 @@ def test_train_state_forwards_keywords_that_are_not_fields():
 
 
 def test_apply_if_finite_skips_a_nan_batch_and_training_goes_on():
-  # The README's recipe: apply_if_finite forwards batch= and rng= to kfac.
+  # The recipe of docs/operations.md: apply_if_finite forwards batch= and rng= to kfac.
   tx = optax.apply_if_finite(kfac(estimation="fisher", learning_rate=0.05),
                              max_consecutive_errors=3)
   state = kfac_optax.TrainState.create(apply_fn=APPLY, params=PARAMS, tx=tx)

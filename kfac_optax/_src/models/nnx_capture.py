@@ -267,8 +267,8 @@ class NNXModel:
           "structure and shapes: K-FAC runs the model, which needs them all. "
           "To train some layers only (wrt=nnx.LoRAParam), give it all params "
           "and freeze the others with layer_overrides={'their/path': 'skip'} "
-          "and optax.masked(optax.set_to_zero(), frozen_mask) after it (the "
-          "README's \"Flax NNX\" has the recipe).")
+          "and optax.masked(optax.set_to_zero(), frozen_mask) after it "
+          "(docs/models.md, \"Flax NNX\", has the recipe).")
 
   def _streams(self, rng: jax.Array | None) -> Any:
     """The model's random streams, every key drawn from ``rng``, counts 0.
