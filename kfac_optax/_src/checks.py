@@ -15,10 +15,22 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def zero_count() -> jax.Array:
+  """Step 0 as optax's schedules get it."""
+  return jnp.zeros([], jnp.int32)
+
+
 def _concrete(name: str, value: Any) -> tuple[str, Any]:
-  """``(how to name it, its value)``; the value is None when traced."""
+  """``(how to name it, its value)``; the value is None when traced.
+
+  A schedule is called as optax calls it, with an int32 array count: a
+  schedule written for arrays may fail on a Python int (``0 ** -0.5`` of
+  an rsqrt part that ``optax.join_schedules`` discards at count 0).
+  """
   if callable(value):
-    name, value = f"{name} (a schedule, at count 0)", value(0)
+    name, value = f"{name} (a schedule, at count 0)", value(zero_count())
+    if not isinstance(value, jax.core.Tracer) and np.ndim(value) == 0:
+      value = np.asarray(value).item()  # a number in the message
   if isinstance(value, jax.core.Tracer):
     return name, None
   return name, value

@@ -87,3 +87,28 @@ def test_injected_values_are_checked_at_init():
           APPLY, LOSS, example_batch=BATCH, damping=-1.0)
   with pytest.raises(ValueError, match=re.escape("damping must be > 0, got Array(-1.")):
     injected.init(PARAMS)
+
+
+def then_rsqrt(first, peak, warmup):
+  """``first`` for ``warmup`` steps, then ``peak·sqrt(warmup/count)``: at
+  count 0 optax evaluates the second part at ``0 - warmup``, where its
+  ``(count + warmup) ** -0.5`` is ``0 ** -0.5``, which only an array count
+  survives (jnp.where then discards it)."""
+  return optax.join_schedules(
+      [first, lambda count: peak * (count + warmup) ** -0.5 * warmup ** 0.5],
+      [warmup])
+
+
+def test_schedules_are_checked_with_the_count_optax_passes():
+  """A schedule is called with an int32 array, as optax calls it: with a
+  Python 0 the rsqrt part raised ZeroDivisionError in the settings check
+  (and in kfac's init, for a scheduled damping)."""
+  warmup_then_rsqrt = then_rsqrt(optax.linear_schedule(0.0, 1e-3, 10), 1e-3, 10)
+  kfac(learning_rate=warmup_then_rsqrt).init(PARAMS)
+  constant_then_rsqrt = then_rsqrt(optax.constant_schedule(1e-2), 1e-2, 10)
+  state = kfac(damping=constant_then_rsqrt).init(PARAMS)
+  assert float(kfac_optax.stats(state)["requested_damping"]) == pytest.approx(1e-2)
+  scale_by_kfac(damping=constant_then_rsqrt).init(PARAMS)
+  with pytest.raises(ValueError, match=re.escape(
+      "learning_rate (a schedule, at count 0) must be >= 0, got -1.0")):
+    kfac(learning_rate=lambda count: -1.0 + 0 * count)

@@ -203,17 +203,19 @@ def kfac(
   def init_fn(params):
     # Distinct buffers: a state passed with donate_argnums must not alias.
     nans = [jnp.full([], _NAN, jnp.float32) for _ in range(5)]
+    first_damping = update_args.value_at(damping, checks.zero_count())
     return KFACState(
         curvature.init(params),
         jax.tree.map(jnp.zeros_like, nnx_capture.pure(params)),
-        jnp.zeros([], jnp.int32),
-        jnp.asarray(update_args.value_at(damping, 0), jnp.float32) + 0.0, *nans)
+        jnp.zeros([], jnp.int32), jnp.asarray(first_damping, jnp.float32) + 0.0,
+        *nans)
 
   def update_fn(grads, state, params=None, *, batch=None, rng=None,
                 variables=None, **extra_args):
     del extra_args
     given, grads, params = grads, nnx_capture.pure(grads), nnx_capture.pure(params)
     update_args.check(curvature.estimation, grads, batch, params, rng, "kfac")
+    update_args.check_state(state, KFACState, "kfac")
     delta, state = explicit_axes.update_with_auto_axes(
         kfac, settings, step, grads, state, params, batch, dict(variables or {}), rng)
     return nnx_capture.like(given, delta), state
