@@ -288,6 +288,7 @@ class Curvature(options.CurvatureOptions):
     params = nnx_capture.pure(params)
     batch = statistics_batch(batch, self.curvature_batch_size)
     plan = self._plan(params, batch, variables, list(variables), "batch")
+    plans.check_state(plan, state.factors)
     damping = jnp.asarray(damping, state.damping.dtype)
 
     # Under `on_schedule`'s lax.cond, XLA:CPU would compile the capture's
@@ -357,7 +358,9 @@ class Curvature(options.CurvatureOptions):
     inverses").
     """
     given, vector = vector, nnx_capture.pure(vector)
-    product = self._apply(self._example_plan(vector), state.inverses, vector)
+    plan = self._example_plan(vector)
+    plans.check_state(plan, state.factors)
+    product = self._apply(plan, state.inverses, vector)
     scale = 1.0
     for u, v in zip(jax.tree.leaves(product), jax.tree.leaves(vector)):
       if (jnp.issubdtype(v.dtype, jnp.floating)
@@ -385,6 +388,7 @@ class Curvature(options.CurvatureOptions):
     """
     given, vector = vector, nnx_capture.pure(vector)
     plan = self._example_plan(vector)
+    plans.check_state(plan, state.factors)
     powered = self._powers(plan, state.factors,
                            jnp.asarray(damping, state.damping.dtype), power, "eigh")
     return nnx_capture.like(given, jax.tree.map(

@@ -379,3 +379,41 @@ def make(model: model_call.ModelCall, loss: losses.PredictiveLoss,
   calls_in_use = {call for calls in tied.values() for call in calls}
   return Plan(layers, fallback, fallback_paths, discovered.perturbations, tied,
               {p: layout for p, layout in unowned.items() if p not in calls_in_use})
+
+
+def check_state(plan: Plan, factors: dict) -> None:
+  """A state's ``factors`` must be this plan's: the same blocks, fallback
+  leaves and shapes (``init`` made them from these params' plan).
+
+  Raises:
+    ValueError: naming what differs, for a state of another model or params
+      that gained or lost leaves since ``init``.
+  """
+  expected = jax.eval_shape(lambda: {key: block.init()[0]
+                                     for key, block in plan.all_blocks().items()})
+  shapes = lambda tree: jax.tree.map(jnp.shape, tree)
+  if (jax.tree.structure(factors) == jax.tree.structure(expected)
+      and shapes(factors) == shapes(expected)):
+    return
+  differences = [f"block {key!r}: missing from the state"
+                 for key in expected if key not in factors]
+  differences += [f"block {key!r}: in the state, not in this model"
+                  for key in factors if key not in expected]
+  for key in [key for key in expected if key in factors]:
+    if key == state.FALLBACK:
+      names = set(expected[key]) | set(factors[key])
+      differences += [f"fallback leaf {name!r}: " + (
+          "missing from the state" if name not in factors[key]
+          else "in the state, not in these params")
+                      for name in sorted(names)
+                      if (name in factors[key]) != (name in expected[key])]
+    if shapes(factors[key]) != shapes(expected[key]):
+      differences.append(f"block {key!r}: shapes {shapes(factors[key])} in the "
+                         f"state, {shapes(expected[key])} for these params")
+  differences = differences or ["the structure of its factors"]
+  raise ValueError(
+      "the K-FAC state does not fit these params: "
+      f"{'; '.join(differences[:5])}{' ...' if len(differences) > 5 else ''}."
+      "\nFix: make the state with this transformation's init on these params "
+      "(tx.init(params)); a state of another model, or of params that gained "
+      "or lost leaves since, does not fit.")

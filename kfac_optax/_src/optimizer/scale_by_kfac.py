@@ -14,6 +14,7 @@ from kfac_optax._src import checks
 from kfac_optax._src import losses
 from kfac_optax._src.curvature import options
 from kfac_optax._src.curvature.curvature import Curvature
+from kfac_optax._src.curvature.state import ScaleByKFACState
 from kfac_optax._src.models import nnx_capture
 from kfac_optax._src.optimizer import explicit_axes
 from kfac_optax._src.optimizer import update_args
@@ -135,6 +136,7 @@ def scale_by_kfac(
     grads, params = nnx_capture.pure(updates), nnx_capture.pure(params)
     update_args.check(curvature.estimation, grads, batch, params, rng,
                       "scale_by_kfac")
+    update_args.check_state(state, ScaleByKFACState, "scale_by_kfac")
     direction, state = explicit_axes.update_with_auto_axes(
         scale_by_kfac, settings, precondition, grads, state, params, batch,
         dict(variables or {}), rng)

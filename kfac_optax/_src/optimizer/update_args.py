@@ -61,3 +61,15 @@ def _check_grads_fit(grads, params, name: str) -> None:
         "\nFix: pass the gradients of these params, tx.update(grads, state, "
         "params, ...) with grads = jax.grad(loss_fn)(params): the same tree "
         "and shapes as params.")
+
+
+def check_state(state: Any, expected: type, name: str) -> None:
+  """``state`` must be what ``name``'s init made (``expected``), not another
+  transformation's (`kfac` and `scale_by_kfac` hold different states)."""
+  if not isinstance(state, expected):
+    raise TypeError(
+        f"{name}'s update got a {type(state).__name__} as its state, not the "
+        f"{expected.__name__} that {name}'s init makes.\nFix: pass the state "
+        f"this transformation's init returned (opt_state = tx.init(params) "
+        "with the same tx); restore a checkpoint with a target built from "
+        "the same tx.")
