@@ -127,3 +127,35 @@ def test_batch_norm_statistics_and_batch_stats_threading():
                              np.sum((g * x_hat) ** 2, 0) / 6, rtol=1e-3)
   np.testing.assert_allclose(state.factors["bn"]["bias"], np.sum(g ** 2, 0) / 6,
                              rtol=1e-3)
+
+
+class PlainRMSNorm(nn.Module):
+  """An RMSNorm of one's own, with flax's attribute names: scale, no bias."""
+  use_scale: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6)
+    if not self.use_scale:
+      return y
+    return y * self.param("scale", nn.initializers.ones, (x.shape[-1],))
+
+
+def test_a_norm_without_bias_registers_with_bias_none():
+  """register_layer(cls, "norm", bias=None) is accepted (it was refused as a
+  param name for a kind that takes none) and gives nn.RMSNorm's block."""
+  kfac_optax.register_layer(PlainRMSNorm, "norm", bias=None)
+  x = jax.random.normal(jax.random.key(0), (5, 2, 3))
+  batch = (x, jnp.arange(5) % 3)
+  factors = []
+  for make_norm in (PlainRMSNorm, nn.RMSNorm):
+    model = net_with(make_norm)
+    params = model.init(jax.random.key(1), x)["params"]
+    tx = kfac_optax.scale_by_kfac(model.apply, LOSS, example_batch=batch,
+                                  estimation="empirical")
+    state = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params),
+                      params, batch=batch)[1]
+    factors.append(state.factors)
+  assert set(factors[0]) == set(factors[1]) == {"Dense_0", "norm", "Dense_1"}
+  np.testing.assert_allclose(factors[0]["norm"]["scale"], factors[1]["norm"]["scale"],
+                             rtol=1e-5)

@@ -99,7 +99,9 @@ def register_layer(
     kernel: the name of the kernel param (``"dense"``, ``"dense_general"``,
       ``"conv"``, ``"conv_transpose"``, ``"einsum"``).
     bias: the name of the bias param, used when the layer has it; None for
-      a layer whose params include no bias.
+      a layer whose params include no bias (also accepted for ``"norm"``,
+      whose block takes the layer's ``scale`` and ``bias`` params as it
+      finds them).
     kernel_layout: ``"in_out"`` (flax's ``(*in, *out)``; for the conv
       kinds flax's, e.g. ``(*kernel_size, in / groups, out)``) or
       ``"out_in"`` (the feature axes swapped: ``"dense"`` and
@@ -131,6 +133,10 @@ def register_layer(
                     f"or nnx.Module subclass (the class, not an instance), got "
                     f"{module_class!r}")
   known = kinds.NNX_KINDS if issubclass(module_class, nnx.Module) else kinds.KINDS
+  # A norm layer's block reads its params as it finds them: saying it has
+  # no bias is true of an RMSNorm, and changes nothing.
+  if kind == "norm" and bias is None:
+    bias = "bias"
   custom = (kernel, bias, kernel_layout) != ("kernel", "bias", "in_out")
   if equation is not None and kind != "einsum":
     raise ValueError(f"register_layer: equation= applies to the kind 'einsum', "
