@@ -10,6 +10,6 @@ docs/design.md maps these modules:
 - `models`: the linen and NNX front-ends and the layer registry.
 - `blocks`: the curvature blocks, one module per family.
 - `linalg`: damped factor inverses.
-- `losses`, `layouts`, `sharding`, `train_state`, `checks`, `tree_paths`:
-  one module each.
+- `losses`, `layouts`, `sharding`, `train_state`, `checks`, `tree_paths`,
+  `param_boxes`: one module each.
 """

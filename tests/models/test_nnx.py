@@ -19,6 +19,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import kfac_optax
 from kfac_optax._src import tree_paths
+from kfac_optax._src import param_boxes
 from kfac_optax._src.models import nnx_capture
 from tests import brute_force as bf
 from tests.nnx_twins import twin_of
@@ -201,7 +202,7 @@ def test_nnx_model_gives_its_linen_twins_factors_and_updates(twins, estimation):
   expected = one_update(linen.apply, variables["params"], batch, options,
                         estimation, others or None)
   params = nnx.state(model, nnx.Param)
-  actual = one_update(model, nnx_capture.pure(params), batch, options, estimation)
+  actual = one_update(model, param_boxes.values(params), batch, options, estimation)
   assert set(actual[0]) == set(expected[0])
   for key in expected[0]:
     assert bf.relative_error(actual[0][key], jax.tree.map(np.asarray, expected[0][key])) < 1e-5, key
@@ -270,13 +271,13 @@ def test_nnx_optimizer_under_nnx_jit_compiles_once_and_trains():
     optimizer.update(model, grads, batch=batch, rng=rng)
     return loss
 
-  stats_before = nnx_capture.pure(nnx.state(model, nnx.BatchStat))
+  stats_before = param_boxes.values(nnx.state(model, nnx.BatchStat))
   losses = [float(train_step(model, optimizer, batch, jax.random.key(i)))
             for i in range(20)]
   assert len(traces) == 1
   assert losses[-1] < 0.7 * losses[0], losses
   # The user's own forward passes (not K-FAC's) move the running statistics.
-  stats_after = nnx_capture.pure(nnx.state(model, nnx.BatchStat))
+  stats_after = param_boxes.values(nnx.state(model, nnx.BatchStat))
   assert not np.allclose(stats_after["bn"]["mean"], stats_before["bn"]["mean"])
   assert int(kfac_optax.stats(optimizer.opt_state)["rejected_statistics"]) == 0
 
@@ -291,7 +292,7 @@ def test_frozen_layers_stay_put_and_the_others_get_their_kfac_updates():
   frozen = lambda params: jax.tree_util.tree_map_with_path(
       lambda path, _: path[0].key == "hidden", params)
   lr, clip = 0.1, 1e-4
-  params = nnx_capture.pure(nnx.state(model, nnx.Param))
+  params = param_boxes.values(nnx.state(model, nnx.Param))
   grads = nnx.to_pure_dict(random_like(nnx.state(model, nnx.Param), 7))
 
   def update(tx):
@@ -322,8 +323,12 @@ def test_raw_optax_over_nnx_split_state():
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   tx = kfac_optax.kfac(model, LOSS, example_batch=batch, learning_rate=0.1)
   state = tx.init(params)  # Variables at the leaves, as nnx.split gives them
-  assert (jax.tree.structure(state)
-          == jax.tree.structure(tx.init(nnx_capture.pure(params))))
+  # As optax's own moments do, the momentum keeps the params' Variables (and
+  # their metadata); the rest of the state is what pure arrays give.
+  assert (jax.tree.structure(state.previous_update)
+          == jax.tree.structure(jax.tree.map(jnp.zeros_like, params)))
+  without_momentum = lambda s: jax.tree.structure(s._replace(previous_update=None))
+  assert without_momentum(state) == without_momentum(tx.init(param_boxes.values(params)))
   traces = []
 
   def loss_fn(params, rest, batch):
@@ -354,14 +359,14 @@ def snapshot(model):
   return jax.tree.map(
       lambda x: np.asarray(jax.random.key_data(x) if jnp.issubdtype(
           x.dtype, jax.dtypes.prng_key) else x),
-      nnx_capture.pure(nnx.state(model)))
+      param_boxes.values(nnx.state(model)))
 
 
 def factors_by_key(model, batch):
   """Jitted ``key -> factors`` of one statistics update of ``model`` on
   ``batch``, its dropout masks drawn from ``key``."""
   curvature = kfac_optax.Curvature(model, LOSS, example_batch=batch)
-  params = nnx_capture.pure(nnx.state(model, nnx.Param))
+  params = param_boxes.values(nnx.state(model, nnx.Param))
   return jax.jit(lambda key: curvature.update(
       curvature.init(params), params, batch=batch, rng=key, damping=DAMPING).factors)
 
@@ -370,7 +375,7 @@ def test_dropout_comes_from_rng_and_the_model_is_untouched():
   batch = net_batch(3)
   before = snapshot(model)
   curvature = kfac_optax.Curvature(model, LOSS, example_batch=batch)
-  params = nnx_capture.pure(nnx.state(model, nnx.Param))
+  params = param_boxes.values(nnx.state(model, nnx.Param))
   stats = nnx.state(model, nnx.BatchStat)  # the model's own Variables
   factors = jax.jit(lambda key: curvature.update(
       curvature.init(params), params, batch=batch, rng=key, damping=DAMPING,
@@ -430,7 +435,7 @@ def test_other_state_comes_from_variables():
   model.eval()
   batch = net_batch(4)
   curvature = kfac_optax.Curvature(model, LOSS, example_batch=batch)
-  params = nnx_capture.pure(nnx.state(model, nnx.Param))
+  params = param_boxes.values(nnx.state(model, nnx.Param))
   stats = {"bn": {"mean": jnp.full((4,), 0.5), "var": jnp.full((4,), 2.0)}}
   nnx.update(model, nnx.State(stats))
   np.testing.assert_allclose(curvature.forward(params, batch, variables=stats),
@@ -678,7 +683,7 @@ def test_a_scanned_stack_draws_one_dropout_key_per_layer_from_rng():
   keys = [k for k in jax.tree.leaves(streams)
           if jnp.issubdtype(k.dtype, jax.dtypes.prng_key)]
   assert [k.shape for k in keys] == [
-      k.shape for k in jax.tree.leaves(nnx_capture.pure(nnx.state(model, nnx.RngState)))
+      k.shape for k in jax.tree.leaves(param_boxes.values(nnx.state(model, nnx.RngState)))
       if jnp.issubdtype(k.dtype, jax.dtypes.prng_key)]
   stacked, = [k for k in keys if k.shape == (2,)]
   assert not np.array_equal(*jax.random.key_data(stacked))
@@ -710,7 +715,7 @@ def test_sharded_batch_gives_unsharded_updates():
   over them, gives the update of one device."""
   model = DenseNet(nnx.Rngs(0))
   data = net_batch(5)
-  params = nnx_capture.pure(nnx.state(model, nnx.Param))
+  params = param_boxes.values(nnx.state(model, nnx.Param))
   tx = kfac_optax.kfac(model, LOSS, example_batch=data, learning_rate=0.1,
                        inverse_update_period=1)
   grads = random_like(params, 2)

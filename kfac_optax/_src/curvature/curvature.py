@@ -28,6 +28,7 @@ import optax
 
 from kfac_optax._src import linalg
 from kfac_optax._src import losses
+from kfac_optax._src import param_boxes
 from kfac_optax._src import tree_paths
 from kfac_optax._src.curvature import canonical_convolutions
 from kfac_optax._src.curvature import model_call
@@ -38,7 +39,6 @@ from kfac_optax._src.curvature.state import FALLBACK
 from kfac_optax._src.curvature.state import ScaleByKFACState
 from kfac_optax._src.models import capture
 from kfac_optax._src.models import front_end
-from kfac_optax._src.models import nnx_capture
 
 
 def _all_finite(tree: Any) -> jax.Array:
@@ -147,7 +147,7 @@ class Curvature(options.CurvatureOptions):
               rng: jax.Array | None = None) -> Any:
     """The model output on ``batch``, selected by ``outputs=`` (other
     collections' changes discarded)."""
-    return self.model.forward(nnx_capture.pure(params), batch, variables, rng)
+    return self.model.forward(param_boxes.values(params), batch, variables, rng)
 
   def loss_value(self, params: Any, batch: Any, variables: dict | None = None,
                  rng: jax.Array | None = None) -> jax.Array:
@@ -167,7 +167,7 @@ class Curvature(options.CurvatureOptions):
 
   def describe(self, params: Any) -> summary.Summary:
     """The block of every module of the model (see `kfac_optax.describe`)."""
-    params = nnx_capture.pure(params)
+    params = param_boxes.values(params)
     return self._summary(self._example_plan(params), params)
 
   def _summary(self, plan: plans.Plan, params: Any) -> summary.Summary:
@@ -184,7 +184,7 @@ class Curvature(options.CurvatureOptions):
     fall to the diagonal fallback.
     """
     factors, inverses = {}, {}
-    params = nnx_capture.pure(params)
+    params = param_boxes.values(params)
     plans.check_not_masked(params)
     dtype = linalg.curvature_dtype(params)
     plan = self._example_plan(params)
@@ -285,7 +285,7 @@ class Curvature(options.CurvatureOptions):
         is not a positive finite number is rejected (counted in the state).
     """
     variables = dict(variables or {})
-    params = nnx_capture.pure(params)
+    params = param_boxes.values(params)
     batch = statistics_batch(batch, self.curvature_batch_size)
     plan = self._plan(params, batch, variables, list(variables), "batch")
     plans.check_state(plan, state.factors)
@@ -357,7 +357,7 @@ class Curvature(options.CurvatureOptions):
     (`benchmarks/preconditioning.py`; RESULTS.md, "Low-rank factor
     inverses").
     """
-    given, vector = vector, nnx_capture.pure(vector)
+    given, vector = vector, param_boxes.values(vector)
     plan = self._example_plan(vector)
     plans.check_state(plan, state.factors)
     product = self._apply(plan, state.inverses, vector)
@@ -368,7 +368,7 @@ class Curvature(options.CurvatureOptions):
         limit = float(jnp.finfo(v.dtype).max) / 16
         scale = jnp.minimum(scale, limit / jnp.maximum(jnp.max(jnp.abs(u)), limit))
     fitted = jax.tree.map(lambda u, v: (u * scale).astype(v.dtype), product, vector)
-    return nnx_capture.like(given, fitted), state._replace(
+    return param_boxes.like(given, fitted), state._replace(
         rescaled_updates=state.rescaled_updates + jnp.where(scale < 1, 1, 0))
 
   def multiply(self, state: ScaleByKFACState, vector: Any, *, power: float,
@@ -386,12 +386,12 @@ class Curvature(options.CurvatureOptions):
       power: the exponent p.
       damping: λ, zero by default.
     """
-    given, vector = vector, nnx_capture.pure(vector)
+    given, vector = vector, param_boxes.values(vector)
     plan = self._example_plan(vector)
     plans.check_state(plan, state.factors)
     powered = self._powers(plan, state.factors,
                            jnp.asarray(damping, state.damping.dtype), power, "eigh")
-    return nnx_capture.like(given, jax.tree.map(
+    return param_boxes.like(given, jax.tree.map(
         lambda u, v: u.astype(v.dtype), self._apply(plan, powered, vector), vector))
 
   def output_tangents(self, params: Any, batch: Any, vectors: Any,

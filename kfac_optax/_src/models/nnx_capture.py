@@ -380,18 +380,3 @@ def _shapes(params: Any) -> dict[str, tuple[int, ...]]:
   flat = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.State(params)))
   return {"/".join(str(k) for k in path): tuple(jnp.shape(leaf))
           for path, leaf in flat.items()}
-
-
-def pure(tree: Any) -> Any:
-  """``tree`` with every ``nnx.Variable`` replaced by its value (identity on
-  trees without Variables): ``nnx.state(model, nnx.Param)`` and the pure
-  arrays ``nnx.Optimizer`` passes give one tree structure."""
-  return nnx.as_pure(tree)
-
-
-def like(reference: Any, tree: Any) -> Any:
-  """``tree`` (pure arrays) in ``reference``'s structure: each array put in
-  a copy of the ``nnx.Variable`` at its place in ``reference``, if any."""
-  return jax.tree.map(
-      lambda ref, value: ref.replace(value) if isinstance(ref, nnx.Variable) else value,
-      reference, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -16,9 +16,9 @@ import optax
 
 from kfac_optax._src import checks
 from kfac_optax._src import losses
+from kfac_optax._src import param_boxes
 from kfac_optax._src.curvature import options
 from kfac_optax._src.curvature.curvature import Curvature
-from kfac_optax._src.models import nnx_capture
 from kfac_optax._src.optimizer import explicit_axes
 from kfac_optax._src.optimizer import kfac_step
 from kfac_optax._src.optimizer import scale_by_kfac
@@ -204,20 +204,25 @@ def kfac(
     # Distinct buffers: a state passed with donate_argnums must not alias.
     nans = [jnp.full([], _NAN, jnp.float32) for _ in range(5)]
     first_damping = update_args.value_at(damping, checks.zero_count())
+    # previous_update keeps the params' boxes (their partitioning), as
+    # optax's own momentum does.
     return KFACState(
-        curvature.init(params),
-        jax.tree.map(jnp.zeros_like, nnx_capture.pure(params)),
+        curvature.init(params), jax.tree.map(jnp.zeros_like, params),
         jnp.zeros([], jnp.int32), jnp.asarray(first_damping, jnp.float32) + 0.0,
         *nans)
 
   def update_fn(grads, state, params=None, *, batch=None, rng=None,
                 variables=None, **extra_args):
     del extra_args
-    given, grads, params = grads, nnx_capture.pure(grads), nnx_capture.pure(params)
+    given, grads, params = grads, param_boxes.values(grads), param_boxes.values(params)
     update_args.check(curvature.estimation, grads, batch, params, rng, "kfac")
     update_args.check_state(state, KFACState, "kfac")
+    boxed_previous = state.previous_update
     delta, state = explicit_axes.update_with_auto_axes(
-        kfac, settings, step, grads, state, params, batch, dict(variables or {}), rng)
-    return nnx_capture.like(given, delta), state
+        kfac, settings, step, grads,
+        state._replace(previous_update=param_boxes.values(boxed_previous)), params,
+        batch, dict(variables or {}), rng)
+    return param_boxes.like(given, delta), state._replace(
+        previous_update=param_boxes.like(boxed_previous, state.previous_update))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -12,10 +12,10 @@ import optax
 
 from kfac_optax._src import checks
 from kfac_optax._src import losses
+from kfac_optax._src import param_boxes
 from kfac_optax._src.curvature import options
 from kfac_optax._src.curvature.curvature import Curvature
 from kfac_optax._src.curvature.state import ScaleByKFACState
-from kfac_optax._src.models import nnx_capture
 from kfac_optax._src.optimizer import explicit_axes
 from kfac_optax._src.optimizer import update_args
 
@@ -133,14 +133,14 @@ def scale_by_kfac(
   def update_fn(updates, state, params=None, *, batch=None, rng=None,
                 variables=None, **extra_args):
     del extra_args  # optax.chain forwards every member's keywords
-    grads, params = nnx_capture.pure(updates), nnx_capture.pure(params)
+    grads, params = param_boxes.values(updates), param_boxes.values(params)
     update_args.check(curvature.estimation, grads, batch, params, rng,
                       "scale_by_kfac")
     update_args.check_state(state, ScaleByKFACState, "scale_by_kfac")
     direction, state = explicit_axes.update_with_auto_axes(
         scale_by_kfac, settings, precondition, grads, state, params, batch,
         dict(variables or {}), rng)
-    return nnx_capture.like(updates, direction), state
+    return param_boxes.like(updates, direction), state
 
   def precondition(grads, state, params, batch, variables, rng):
     state = curvature.update(state, params, batch=batch, rng=rng,
