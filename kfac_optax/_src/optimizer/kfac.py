@@ -34,8 +34,25 @@ FIXED_MOMENTUM = 0.9
 FIXED_NORM_CONSTRAINT = 1e-3
 
 
+def _resolved_modes(learning_rate: Any, momentum: Any, norm_constraint: Any,
+                    adaptive_damping: bool | None) -> tuple[Any, Any, bool]:
+  """``(momentum, norm_constraint, adaptive_damping)`` with their ``"auto"``
+  and None defaults resolved by whether a learning rate is given."""
+  for name, value in (("momentum", momentum), ("norm_constraint", norm_constraint)):
+    if isinstance(value, str) and value != "auto":
+      raise ValueError(f'{name} must be a number, None or "auto", got {value!r}')
+  fixed = learning_rate is not None
+  if momentum == "auto":
+    momentum = FIXED_MOMENTUM if fixed else None
+  if norm_constraint == "auto":
+    norm_constraint = FIXED_NORM_CONSTRAINT if fixed else None
+  if adaptive_damping is None:
+    adaptive_damping = not fixed
+  return momentum, norm_constraint, adaptive_damping
+
+
 def _check_kfac_settings(arguments: dict[str, Any]) -> None:
-  """`kfac`'s own numeric settings (`Curvature` checks the shared ones)."""
+  """`kfac`'s own settings, resolved (`Curvature` checks the shared ones)."""
   learning_rate = arguments["learning_rate"]
   if callable(learning_rate):  # a warmup from 0 (optax's usual) moves nothing at first
     checks.in_range("learning_rate", learning_rate, 0.0)
@@ -53,6 +70,13 @@ def _check_kfac_settings(arguments: dict[str, Any]) -> None:
                   0.0, 1.0, low_open=True)
   checks.in_range("l2_reg", arguments["l2_reg"], 0.0)
   checks.count("num_burnin_steps", arguments["num_burnin_steps"], 0)
+  if arguments["norm_constraint"] is not None and learning_rate is None:
+    raise ValueError("norm_constraint bounds the step of a given learning "
+                     "rate; with learning_rate=None the quadratic model "
+                     "already chooses the step size")
+  if arguments["adaptive_damping"] and callable(arguments["damping"]):
+    raise ValueError("adaptive_damping adapts λ itself: give damping as the "
+                     "initial value, not a schedule")
 
 
 @options.document
@@ -176,25 +200,10 @@ def kfac(
     ICLR 2017.
   """
   settings = dict(locals())
-  for name, value in (("momentum", momentum), ("norm_constraint", norm_constraint)):
-    if isinstance(value, str) and value != "auto":
-      raise ValueError(f'{name} must be a number, None or "auto", got {value!r}')
-  fixed = learning_rate is not None
-  if momentum == "auto":
-    momentum = FIXED_MOMENTUM if fixed else None
-  if norm_constraint == "auto":
-    norm_constraint = FIXED_NORM_CONSTRAINT if fixed else None
-  if adaptive_damping is None:
-    adaptive_damping = learning_rate is None
+  momentum, norm_constraint, adaptive_damping = _resolved_modes(
+      learning_rate, momentum, norm_constraint, adaptive_damping)
   _check_kfac_settings(locals())
   curvature = Curvature(apply_fn, loss, example_batch, **options.of(settings))
-  if norm_constraint is not None and learning_rate is None:
-    raise ValueError("norm_constraint bounds the step of a given learning "
-                     "rate; with learning_rate=None the quadratic model "
-                     "already chooses the step size")
-  if adaptive_damping and callable(damping):
-    raise ValueError("adaptive_damping adapts λ itself: give damping as the "
-                     "initial value, not a schedule")
   step = functools.partial(kfac_step.step, kfac_step.Settings(
       curvature, learning_rate, momentum, norm_constraint, adaptive_damping,
       damping, damping_adaptation_interval, damping_adaptation_decay,
