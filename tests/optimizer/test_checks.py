@@ -112,3 +112,19 @@ def test_schedules_are_checked_with_the_count_optax_passes():
   with pytest.raises(ValueError, match=re.escape(
       "learning_rate (a schedule, at count 0) must be >= 0, got -1.0")):
     kfac(learning_rate=lambda count: -1.0 + 0 * count)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"learning_rate": None, "norm_constraint": 1e-3},
+     "norm_constraint bounds the step of a given learning rate; with "
+     "learning_rate=None the quadratic model already chooses the step size"),
+    ({"learning_rate": None, "damping": lambda count: 1e-2},
+     "adaptive_damping adapts λ itself: give damping as the initial value, "
+     "not a schedule"),
+    ({"momentum": "fast"}, 'momentum must be a number, None or "auto", got '
+     "'fast'"),
+])
+def test_settings_that_contradict_the_mode(settings, message):
+  with pytest.raises(ValueError) as error:
+    kfac(**settings)
+  assert str(error.value) == message
