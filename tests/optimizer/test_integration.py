@@ -208,11 +208,9 @@ def test_inject_hyperparams_static_args():
 
 
 def test_kfac_can_be_wrapped_by_inject_hyperparams():
-  # The usual optax way to change the learning rate at run time. Fails today:
-  # kfac's signature forwards scale_by_kfac's options through **kwargs, which
-  # inject_hyperparams cannot see (static_args must name kfac's own
-  # parameters: "num_samples" is rejected) and passes back as a keyword
-  # literally named "scale_by_kfac_kwargs" (TypeError in scale_by_kfac).
+  # The usual optax way to change the learning rate at run time: it reads
+  # kfac's signature, so every option must be a keyword argument of kfac's
+  # own (a **kwargs would hide them; tests/optimizer/test_options.py).
   tx = optax.inject_hyperparams(
       kfac_optax.kfac, static_args=("apply_fn", "num_samples"))(
           APPLY, LOSS, example_batch=BATCH, learning_rate=0.1, momentum=0.0,
