@@ -1,21 +1,24 @@
 """Deep autoencoder benchmark: kfac_optax against Adam and kfac-jax.
 
-Workload 1 of issue 6: the deep autoencoder of Martens & Grosse (2015),
+Workload 1 of the four races (with ``convnet.py``, ``transformer_lm.py`` and
+``resnet.py``): the deep autoencoder of Martens & Grosse (2015),
 784-1000-500-250-30-250-500-1000-784 with tanh hidden units and a linear
 30-unit code, on the 60000 Fashion-MNIST training images (batch 1000), with
 sigmoid cross-entropy summed over pixels and averaged over the batch. The
 contenders, the timing protocol and the report are those of `harness`.
 
 Each contender but the pairs compared with kfac-jax gets 120 s of step time
-(issue 16's wall-clock targets); the paired ones run 200 steps. kfac_optax's
-matched settings come from `autoencoder_sweep.py`
-(results/autoencoder_sweep.json): of the learning rate / damping pairs tried,
-lr 0.03 with damping 3 had the lowest loss at every step from 30 to 300. The
+(the wall-clock targets, `GOALS`); the paired ones run 200 steps.
+kfac_optax's matched settings come from a sweep by the retired
+``autoencoder_sweep.py`` (its results: benchmarks/results/autoencoder_sweep.json;
+``studies/recipe_sweep.py`` does such sweeps now): of the learning rate /
+damping pairs tried, lr 0.03 with damping 3 had the lowest loss at every step
+from 30 to 300. The
 recipe contender has the README's recommended settings, the same on every
 workload; the tuned one adds the README's advice for large batches,
 statistics from the first quarter of each batch (``curvature_batch_size``
 250: at statistics every step it cost 0.79x the step at equal losses,
-`curvature_batch.py`).
+`studies/curvature_batch.py`).
 
 From the repository root::
 

@@ -1,8 +1,8 @@
 """Convnet benchmark: kfac_optax against Adam and kfac-jax.
 
-Workload 2 of issue 6: the convnet of the original TensorFlow K-FAC example
-(conv 5x5x16, max-pool 3/2, conv 5x5x16, max-pool 3/2, linear 10; the model of
-``examples/convnet.py``), softmax cross-entropy, the 60000 Fashion-MNIST
+Workload 2 of the four races: the convnet of the original TensorFlow K-FAC
+example (conv 5x5x16, max-pool 3/2, conv 5x5x16, max-pool 3/2, linear 10; the
+model of ``examples/convnet.py``), softmax cross-entropy, the 60000 Fashion-MNIST
 training images, batch 128. The contenders, the timing protocol and the
 report are those of `harness`. kfac_optax's learning rate and damping are the
 example's (from its sweep). The tuned kfac_optax has those settings too
@@ -12,8 +12,8 @@ settings' (0.328 against 0.329) at 60% of the mean step time. kfac-jax's step
 is ~60x Adam's on this model (3.5 s at batch 128 on 2 cores), so its two
 contenders run 10 steps per timed run (``--kfac-jax-steps``): enough for
 step times, not for its loss curve. kfac_optax at the matched settings runs
-400 steps; the others get 120 s of step time each (issue 16's wall-clock
-targets), the recipe contender with the README's recommended settings.
+400 steps; the others get 120 s of step time each (the wall-clock targets,
+`GOALS`), the recipe contender with the README's recommended settings.
 
 From the repository root::
 
@@ -28,8 +28,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import harness  # pylint: disable=wrong-import-position
-from examples import convnet  # pylint: disable=wrong-import-position
 from examples import datasets  # pylint: disable=wrong-import-position
+from examples import models  # pylint: disable=wrong-import-position
 
 import kfac_optax  # pylint: disable=wrong-import-position,wrong-import-order
 
@@ -61,12 +61,12 @@ def workload(quick: bool = False) -> harness.Workload:
       description=("conv 5x5x16 (SAME, ReLU), max-pool 3/2, conv 5x5x16, "
                    "max-pool 3/2, linear 10; softmax cross-entropy; "
                    f"{description}, {len(x)} images."),
-      model=convnet.ConvNet(num_classes=int(y.max()) + 1),
+      model=models.ConvNet(num_classes=int(y.max()) + 1),
       loss=kfac_optax.losses.softmax_cross_entropy(),
       inputs=lambda batch: batch[0],
       register_kfac_jax_loss=lambda kfac_jax, logits, batch: (
           kfac_jax.register_softmax_cross_entropy_loss(logits, batch[1])),
-      data=(np.ascontiguousarray(convnet.as_images(x), np.float32), y),
+      data=(np.ascontiguousarray(datasets.as_images(x), np.float32), y),
       batch_size=8 if quick else 128)
 
 

@@ -1,8 +1,8 @@
 """What every benchmark shares: contenders, a fair timed race, and the reports.
 
-A benchmark script describes its `Workload` (model, loss, data) and its issue
-targets (`Goal`), then calls `main`. Everything else is here, so that every
-workload is measured the same way:
+A benchmark script describes its `Workload` (model, loss, data) and its
+targets (`Goal`: a measured ratio and its bound), then calls `main`.
+Everything else is here, so that every workload is measured the same way:
 
 - Contenders: ``kfac_optax.kfac`` with fixed learning rate and damping
   (momentum 0.9); optionally a tuned kfac_optax (its own complete settings
@@ -50,6 +50,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import time
 from typing import Any, Callable
@@ -66,8 +67,8 @@ import kfac_optax
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a script: make `examples` importable
   sys.path.insert(0, REPO_ROOT)
-from examples import mlp_classifier  # pylint: disable=wrong-import-position
-from examples.transformer_lm import single_threaded_lapack  # pylint: disable=wrong-import-position
+from examples import side_by_side  # pylint: disable=wrong-import-position
+from examples.cpu_threads import single_threaded_lapack  # pylint: disable=wrong-import-position
 
 RESULTS_DIR = os.path.join(REPO_ROOT, "benchmarks", "results")
 RESULTS_MD = os.path.join(REPO_ROOT, "benchmarks", "RESULTS.md")
@@ -96,9 +97,9 @@ KFAC_OPTAX_ADAPTIVE = dict(
         "damping_adaptation_decay", "damping_adaptation_interval",
         "min_damping", "max_damping", "inverse_update_period")})
 # The README's recommended settings for wall-clock speed, the same on every
-# workload (chosen by benchmarks/recipe_sweep.py): the fixed-learning-rate
-# mode (KL clipping 1e-3, inverse="auto") with learning rate and damping
-# 1e-3, statistics every 10 steps, inverses every 50.
+# workload (chosen by benchmarks/studies/recipe_sweep.py): the
+# fixed-learning-rate mode (KL clipping 1e-3, inverse="auto") with learning
+# rate and damping 1e-3, statistics every 10 steps, inverses every 50.
 RECIPE_NAME = "kfac_optax (recipe)"
 # The workload's own settings on top of the recipe (the README's advice).
 TUNED_NAME = "kfac_optax (tuned)"
@@ -163,7 +164,7 @@ class Workload:
 
 @dataclasses.dataclass(frozen=True)
 class Goal:
-  """An issue target: ``row[field] <= limit``, checked for every kfac_optax.
+  """A target: ``row[field] <= limit``, checked for every kfac_optax.
 
   ``contenders``: the kfac_optax rows it is checked on (None: all of them).
   """
@@ -397,7 +398,7 @@ def make_contenders(workload, args, kfac_jax, model_state=None):
 class Batches:
   """Device batch and random key of every step, the same for all contenders.
 
-  The batches are those of ``mlp_classifier.batch_order`` (a fresh
+  The batches are those of the examples' ``side_by_side.batch_order`` (a fresh
   permutation each epoch, the ragged end dropped), drawn as far as a race
   gets: a wall-clock race has no step count known in advance.
   """
@@ -537,10 +538,10 @@ class LoadSampler:
 
 def trailing_mean(values, window=WINDOW):
   """Mean of the last ``window`` values at every position (fewer at the start)."""
-  return mlp_classifier.trailing_mean(values, window)
+  return side_by_side.trailing_mean(values, window)
 
 
-first_reach = mlp_classifier.first_reach
+first_reach = side_by_side.first_reach
 
 
 def ratio(a, b):
@@ -783,7 +784,7 @@ def markdown_section(payload):
   lines += [f"- {name}: " + ", ".join(f"{k}={v}" for k, v in row["settings"].items())
             + f" ({row['steps']} steps)" for name, row in rows.items()]
   if payload["goals"]:
-    lines += ["", "| issue target | contender | measured | met |",
+    lines += ["", "| target | contender | measured | met |",
               "|---|---|---:|---|"]
     lines += [f"| {g['goal']} (<= {g['limit']:g}) | {g['contender']} | "
               f"{fmt(g['measured'], '.2f')} | "
@@ -820,7 +821,8 @@ def update_markdown(path, name, section, script=None):
   """Replaces the section between ``name``'s markers in ``path`` (or appends it).
 
   ``script`` names the writer in the begin marker (default
-  ``benchmarks/{name}.py``).
+  ``benchmarks/{name}.py``); a begin marker naming another writer (the
+  script's path before it moved) is replaced too.
   """
   script = script or f"benchmarks/{name}.py"
   begin = f"<!-- {name}:begin (written by {script}) -->"
@@ -832,9 +834,10 @@ def update_markdown(path, name, section, script=None):
   text = text or ("# Benchmark results\n\nEach section is rewritten by the "
                   "script named in its command.\n")
   block = f"{begin}\n{section}\n{end}"
-  if begin in text and end in text:
-    head, rest = text.split(begin, 1)
-    text = head + block + rest.split(end, 1)[1]
+  found = re.search(re.escape(f"<!-- {name}:begin") + r"[^>]*-->", text)
+  if found and end in text[found.end():]:
+    text = (text[:found.start()] + block
+            + text[found.end():].split(end, 1)[1])
   else:
     text = text.rstrip("\n") + "\n\n" + block + "\n"
   with open(path, "w", encoding="utf-8") as f:
@@ -937,7 +940,7 @@ def main(make_workload, goals, defaults, argv=None, script=None):
 
   Args:
     make_workload: ``quick -> Workload``.
-    goals: the issue's `Goal`s for this workload.
+    goals: the workload's targets (`Goal`s).
     defaults: see `parse_args`.
     argv: command-line arguments (default ``sys.argv[1:]``).
     script: the script's path, for the reported command.

@@ -1,6 +1,6 @@
 """ResNet benchmark: kfac_optax against Adam on a ResNet-18 with BatchNorm.
 
-Workload 4 of issue 16: the ResNet-18 layout (a 3x3 stem, four stages of
+Workload 4 of the four races: the ResNet-18 layout (a 3x3 stem, four stages of
 two basic blocks, each two 3x3 convolutions with BatchNorm and ReLU and a
 1x1 projection shortcut where the shape changes, global average pooling and
 a linear classifier), CIFAR-style (no stem stride or max-pool) on the 28x28
@@ -16,7 +16,7 @@ every contender but kfac_optax at matched settings gets 120 s of step time.
 kfac_optax's matched learning rate and damping are the fixed mode's README
 values. The tuned contender is the recipe with the README's advice for
 convolutional nets: statistics from a quarter of the batch, every 20
-steps, inverses every 100 (`recipe_sweep.py --workload resnet`: the
+steps, inverses every 100 (`studies/recipe_sweep.py --workload resnet`: the
 statistics step is where a 3x3 layer's cost goes, its input factor's Gram
 costing 9x its forward pass), and, as the README advises for layers of
 hundreds of inputs, factors above 32 rows inverted at rank 32 (the same
@@ -40,7 +40,6 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import harness  # pylint: disable=wrong-import-position
-from examples import convnet  # pylint: disable=wrong-import-position
 from examples import datasets  # pylint: disable=wrong-import-position
 
 import kfac_optax  # pylint: disable=wrong-import-position,wrong-import-order
@@ -112,7 +111,7 @@ def workload(quick: bool = False) -> harness.Workload:
       loss=kfac_optax.losses.softmax_cross_entropy(),
       inputs=lambda batch: batch[0],
       register_kfac_jax_loss=None,
-      data=(np.ascontiguousarray(convnet.as_images(x), np.float32), y),
+      data=(np.ascontiguousarray(datasets.as_images(x), np.float32), y),
       batch_size=8 if quick else 128,
       mutable=("batch_stats",),
       kfac_jax_unsupported=("the harness does not carry BatchNorm's "

@@ -1,4 +1,4 @@
-"""Stability suite (issue 11): does K-FAC train eight small models untuned?
+"""Stability suite: does K-FAC train eight small models untuned?
 
 Every model of `stability_problems` is trained for a few hundred steps with
 each configuration of `CONFIGS` (keywords passed straight to
@@ -220,7 +220,7 @@ def markdown(payload):
   config = payload["config"]
   fmt = harness.fmt
   lines = [
-      "# Stability suite (issue 11)", "",
+      "# Stability suite", "",
       "Written by `benchmarks/stability.py` (see its docstring for the protocol).",
       "", *_preamble(payload),
       "- **Configurations** (keywords of `kfac_optax.kfac`, others at their "

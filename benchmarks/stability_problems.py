@@ -1,10 +1,10 @@
-"""The models of the stability suite (issue 11), each a ready-to-train `Problem`.
+"""The models of the stability suite, each a ready-to-train `Problem`.
 
 Eight small models on local data (nothing is downloaded): sklearn's digits,
 Fashion-MNIST downsampled to 14x14 (digits when the Debian package is
-absent), and the character text of `examples/transformer_lm.py`. Each is
-built by name with `make_problem`, so tests can train one model without the
-suite::
+absent), and the character text of `examples/transformer_lm.py`
+(``datasets.load_text`` of the examples). Each is built by name with
+`make_problem`, so tests can train one model without the suite::
 
   from benchmarks import stability_problems as sp
   problem = sp.make_problem("cnn_bn_dropout")
@@ -37,8 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import harness  # pylint: disable=wrong-import-position
 from benchmarks.autoencoder import Autoencoder  # pylint: disable=wrong-import-position
 from examples import datasets  # pylint: disable=wrong-import-position
-from examples import transformer_lm  # pylint: disable=wrong-import-position
-from examples.mlp_classifier import MLP  # pylint: disable=wrong-import-position
+from examples import models  # pylint: disable=wrong-import-position
 
 # Examples per data set: full runs cycle through a few epochs in 300 steps;
 # quick runs only need the shapes right.
@@ -317,11 +316,11 @@ def text_windows(count):
   """``count`` non-overlapping character windows of the example text,
   spread over its training part: inputs and next-character targets, both
   ``(count, SEQ_LEN)``, and the vocabulary size."""
-  text, _ = transformer_lm.load_text()
-  vocab = transformer_lm.Vocabulary(text)
-  ids, _ = transformer_lm.split_text(vocab.encode(text))
-  starts = transformer_lm.evaluation_starts(len(ids), SEQ_LEN, count)
-  return transformer_lm.windows(ids, starts, SEQ_LEN), len(vocab)
+  text, _ = datasets.load_text()
+  vocab = datasets.Vocabulary(text)
+  ids, _ = datasets.split_text(vocab.encode(text))
+  starts = datasets.evaluation_starts(len(ids), SEQ_LEN, count)
+  return datasets.windows(ids, starts, SEQ_LEN), len(vocab)
 
 
 # --------------------------------------------------------------------------
@@ -345,7 +344,7 @@ def mlp(quick, seed):
   return _problem(
       "mlp", f"MLP {x[0].size}-128-64-10 (tanh), softmax cross-entropy; "
       f"{description}, {len(x)} images.",
-      MLP(hidden=(128, 64)), kfac_optax.losses.softmax_cross_entropy(),
+      models.MLP(hidden=(128, 64)), kfac_optax.losses.softmax_cross_entropy(),
       operator.itemgetter(0), (x.reshape(len(x), -1), y),
       QUICK_BATCH if quick else 128, seed)
 
@@ -384,7 +383,7 @@ def transformer(quick, seed):
   return _text_problem(
       "transformer_lm", "examples/transformer_lm.py's model, width 32, "
       "2 heads, 1 block",
-      lambda vocab: transformer_lm.TransformerLM(
+      lambda vocab: models.TransformerLM(
           vocab, SEQ_LEN, width=32, num_heads=2, num_blocks=1), quick, seed)
 
 

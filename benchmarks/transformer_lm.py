@@ -1,16 +1,17 @@
 """Transformer LM benchmark: kfac_optax against Adam in wall-clock time.
 
-Workload 3 of issue 16: the character-level transformer of
-``examples/transformer_lm.py`` (2 pre-LayerNorm blocks, width 64, 4 heads) on
-the example's training text (CPython's pydoc topics), per-token softmax
-cross-entropy, 32 windows of 64 characters per step. The windows start every
+Workload 3 of the four races: the character-level transformer of
+``examples/transformer_lm.py`` (``models.TransformerLM`` of the examples: 2
+pre-LayerNorm blocks, width 64, 4 heads) on the example's training text
+(CPython's pydoc topics), per-token softmax cross-entropy, 32 windows of 64
+characters per step. The windows start every
 ``STRIDE`` characters of the training text (they overlap; a batch is 32 of
 them drawn without replacement each epoch). The contenders, the timing
 protocol and the report are those of `harness`; every contender but
 kfac_optax at matched settings gets 120 s of step time. kfac_optax's
 learning rate and damping are the example's; the tuned one is the recipe
 with the README's advice for language models (learning rate 2e-3, chosen by
-``recipe_sweep.py --workload transformer_lm`` from 1e-3, 2e-3 and 3e-3).
+``studies/recipe_sweep.py --workload transformer_lm`` from 1e-3, 2e-3 and 3e-3).
 kfac-jax 0.0.8 does not run on this model (its graph matcher fails on the
 attention: ``ValueError: Incompatible shapes for broadcasting``, see
 benchmarks/STABILITY.md).
@@ -28,7 +29,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import harness  # pylint: disable=wrong-import-position
-from examples import transformer_lm  # pylint: disable=wrong-import-position
+from examples import datasets  # pylint: disable=wrong-import-position
+from examples import models  # pylint: disable=wrong-import-position
 
 import kfac_optax  # pylint: disable=wrong-import-position,wrong-import-order
 
@@ -49,17 +51,17 @@ GOALS = (
 
 def workload(quick: bool = False) -> harness.Workload:
   """The examples' transformer LM (quick: width 16, 1 block, 64 windows of 16)."""
-  text, description = transformer_lm.load_text()
-  vocab = transformer_lm.Vocabulary(text)
-  train_ids, _ = transformer_lm.split_text(vocab.encode(text))
+  text, description = datasets.load_text()
+  vocab = datasets.Vocabulary(text)
+  train_ids, _ = datasets.split_text(vocab.encode(text))
   seq_len = 16 if quick else SEQ_LEN
   starts = np.arange(0, len(train_ids) - seq_len, STRIDE)
   if quick:
     starts = starts[:QUICK_WINDOWS]
-  inputs, targets = transformer_lm.windows(train_ids, starts, seq_len)
-  model = (transformer_lm.TransformerLM(len(vocab), seq_len, width=16,
-                                        num_heads=2, num_blocks=1) if quick
-           else transformer_lm.TransformerLM(len(vocab), seq_len))
+  inputs, targets = datasets.windows(train_ids, starts, seq_len)
+  model = (models.TransformerLM(len(vocab), seq_len, width=16,
+                                num_heads=2, num_blocks=1) if quick
+           else models.TransformerLM(len(vocab), seq_len))
   return harness.Workload(
       name="transformer_lm",
       title="Transformer LM of the examples",

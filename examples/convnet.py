@@ -6,15 +6,16 @@ by a 3x3 max-pool of stride 2 (SAME), then one linear layer to the classes,
 trained on the softmax cross-entropy. K-FAC gives each convolution a KFC
 block (input patches ⊗ output gradients) and the linear layer a K-FAC block.
 
-As in `mlp_classifier.py` (whose data, training, evaluation and plot
-helpers this script reuses), both optimizers start from the same parameters
-and see the same mini-batches in the same order, a step of each in turn;
-K-FAC also gets a fresh random key per step to sample targets for its
-Fisher estimate. The model is Flax linen (``--api linen``, the default) or
-the same network as an ``nnx.Module`` trained through ``nnx.Optimizer``
-under ``nnx.jit`` (``--api nnx``). The script prints the final loss and
-accuracy on the train and test sets, the time per step of each optimizer,
-and saves both training-loss curves (against steps and seconds) to a PNG.
+As in `mlp_classifier.py` (both use the data, training, evaluation and
+plot helpers of ``datasets.py`` and ``side_by_side.py``; the network is
+``models.ConvNet``), both optimizers start from the same parameters and see
+the same mini-batches in the same order, a step of each in turn; K-FAC also
+gets a fresh random key per step to sample targets for its Fisher estimate.
+The model is Flax linen (``--api linen``, the default) or the same network
+as an ``nnx.Module`` trained through ``nnx.Optimizer`` under ``nnx.jit``
+(``--api nnx``). The script prints the final loss and accuracy on the train
+and test sets, the time per step of each optimizer, and saves both
+training-loss curves (against steps and seconds) to a PNG.
 
 From the repository root::
 
@@ -24,24 +25,23 @@ From the repository root::
 """
 
 import argparse
-import math
 import os
 
 from flax import nnx
-import flax.linen as nn
-import jax.numpy as jnp
 import optax
 
 import kfac_optax
 
 try:
+  from examples import cpu_threads
   from examples import datasets
-  from examples import mlp_classifier
-  from examples.transformer_lm import single_threaded_lapack
+  from examples import models
+  from examples import side_by_side
 except ImportError:  # run as a script: examples/ itself is on sys.path
+  import cpu_threads
   import datasets
-  import mlp_classifier
-  from transformer_lm import single_threaded_lapack
+  import models
+  import side_by_side
 
 DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                             "output", "convnet.png")
@@ -49,56 +49,6 @@ DEFAULT_STEPS = 300
 QUICK_STEPS = 40
 QUICK_TRAIN_SIZE = 2048
 QUICK_TEST_SIZE = 1024
-ACTIVATIONS = {"relu": nn.relu, "tanh": jnp.tanh}
-
-
-class ConvNet(nn.Module):
-  """conv 5x5 → pool 3x3/2 → conv 5x5 → pool 3x3/2 → linear, channels last.
-
-  Works on any square (or not) ``(N, H, W, C)`` input: 28x28 Fashion-MNIST
-  ends in a 7x7x16 feature map, 8x8 digits in a 2x2x16 one.
-  """
-  num_classes: int = 10
-  features: int = 16
-  activation: str = "relu"
-
-  @nn.compact
-  def __call__(self, x):
-    act = ACTIVATIONS[self.activation]
-    for _ in range(2):
-      x = act(nn.Conv(self.features, (5, 5), padding="SAME")(x))
-      x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
-    return nn.Dense(self.num_classes)(x.reshape(x.shape[0], -1))
-
-
-class NnxConvNet(nnx.Module):
-  """`ConvNet` as an ``nnx.Module`` for ``(N, height, width, 1)`` images."""
-
-  def __init__(self, height: int, width: int, num_classes: int = 10,
-               features: int = 16, activation: str = "relu", *,
-               rngs: nnx.Rngs):
-    self.convs = nnx.List([nnx.Conv(1, features, (5, 5), padding="SAME",
-                                    rngs=rngs),
-                           nnx.Conv(features, features, (5, 5), padding="SAME",
-                                    rngs=rngs)])
-    # Each SAME pool of stride 2 halves a side, rounding up.
-    flat = -(-height // 4) * -(-width // 4) * features
-    self.dense = nnx.Linear(flat, num_classes, rngs=rngs)
-    self.activation = activation
-
-  def __call__(self, x):
-    act = ACTIVATIONS[self.activation]
-    for conv in self.convs:
-      x = nnx.max_pool(act(conv(x)), (3, 3), strides=(2, 2), padding="SAME")
-    return self.dense(x.reshape(x.shape[0], -1))
-
-
-def as_images(x):
-  """Flattened square grey-scale images ``(N, s*s)`` -> ``(N, s, s, 1)``."""
-  side = math.isqrt(x.shape[1])
-  if side * side != x.shape[1]:
-    raise ValueError(f"{x.shape[1]} features are not a square image")
-  return x.reshape(len(x), side, side, 1)
 
 
 def parse_args(argv=None):
@@ -106,7 +56,7 @@ def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--dataset", default="auto",
                       choices=["auto", "fashion_mnist", "digits"])
-  mlp_classifier.add_api_flag(parser)
+  side_by_side.add_api_flag(parser)
   parser.add_argument("--steps", type=int, default=None,
                       help=f"training steps per optimizer (default "
                       f"{DEFAULT_STEPS}, {QUICK_STEPS} with --quick)")
@@ -115,7 +65,8 @@ def parse_args(argv=None):
   parser.add_argument("--plot", default=DEFAULT_PLOT,
                       help="where to save the loss curves (PNG; default "
                       "examples/output/convnet.png)")
-  parser.add_argument("--activation", default="relu", choices=list(ACTIVATIONS))
+  parser.add_argument("--activation", default="relu",
+                      choices=list(models.ACTIVATIONS))
   datasets.add_subset_flags(parser, QUICK_TRAIN_SIZE, QUICK_TEST_SIZE)
   # Defaults from a sweep on Fashion-MNIST (300 steps of batch 128, momentum
   # 0.9; training loss on 10k training images): lr = damping = 1e-3 gave
@@ -168,7 +119,7 @@ def main(argv=None):
 
   Returns:
     ``{"kfac": metrics, "adam": metrics}``, the metrics of
-    `mlp_classifier.summarize_runs` (on the training and test examples
+    `side_by_side.summarize_runs` (on the training and test examples
     used); K-FAC's also have ``time_to_adam_final_loss_vs_adam``.
   """
   args = parse_args(argv)
@@ -176,7 +127,7 @@ def main(argv=None):
       args.dataset)
   x_train, y_train = x_train[:args.train_size], y_train[:args.train_size]
   x_test, y_test = x_test[:args.test_size], y_test[:args.test_size]
-  x_train, x_test = as_images(x_train), as_images(x_test)
+  x_train, x_test = datasets.as_images(x_train), datasets.as_images(x_test)
   num_classes = int(max(y_train.max(), y_test.max())) + 1
   print(f"{description}: {len(x_train)} train / {len(x_test)} test images of "
         f"{'x'.join(map(str, x_train.shape[1:]))}; {args.steps} steps of batch "
@@ -185,27 +136,27 @@ def main(argv=None):
   loss = kfac_optax.losses.softmax_cross_entropy()
   example_batch = (x_train[:args.batch_size], y_train[:args.batch_size])
   if args.api == "linen":
-    model = ConvNet(num_classes=num_classes, activation=args.activation)
-    trainer = mlp_classifier.linen_trainer(model, loss, example_batch[0],
-                                           args.seed)
+    model = models.ConvNet(num_classes=num_classes, activation=args.activation)
+    trainer = side_by_side.linen_trainer(model, loss, example_batch[0],
+                                         args.seed)
   else:
-    trainer = mlp_classifier.nnx_trainer(
-        NnxConvNet(*x_train.shape[1:3], num_classes=num_classes,
+    trainer = side_by_side.nnx_trainer(
+        models.NnxConvNet(*x_train.shape[1:3], num_classes=num_classes,
                    activation=args.activation, rngs=nnx.Rngs(args.seed)), loss)
   optimizers = make_optimizers(trainer.model, loss, example_batch, args)
-  order = mlp_classifier.batch_order(len(x_train), args.batch_size,
-                                     args.steps, args.seed)
-  evaluate = mlp_classifier.make_evaluate(trainer.logits, loss)
+  order = side_by_side.batch_order(len(x_train), args.batch_size,
+                                   args.steps, args.seed)
+  evaluate = side_by_side.make_evaluate(trainer.logits, loss)
 
   # One OpenBLAS thread for the LAPACK calls of K-FAC's inverses: with
   # OpenBLAS's own threads on a small CPU machine the refreshes were 10-20x
   # slower, and concurrent LAPACK calls could stall (see the function).
-  with single_threaded_lapack():
-    trained = mlp_classifier.train(
+  with cpu_threads.single_threaded_lapack():
+    trained = side_by_side.train(
         {name: trainer.start(tx) for name, tx in optimizers.items()},
         trainer.step, lambda i: (x_train[order[i]], y_train[order[i]]),
         len(order), args.seed)
-  results, curves = mlp_classifier.summarize_runs(
+  results, curves = side_by_side.summarize_runs(
       trained, trainer.params_of, evaluate, (x_train, y_train, x_test, y_test))
 
   print(f"\nFinal metrics after {args.steps} steps ({description}):")
@@ -220,9 +171,9 @@ def main(argv=None):
         "inverse refreshes included), median: their median; 1st step: "
         "compilation included")
   results["kfac"]["time_to_adam_final_loss_vs_adam"] = (
-      mlp_classifier.report_time_to_reference_loss(curves, "Adam", ["K-FAC"])["K-FAC"])
-  mlp_classifier.save_plot(args.plot, curves,
-                           f"ConvNet ({args.api}) on {description}")
+      side_by_side.report_time_to_reference_loss(curves, "Adam", ["K-FAC"])["K-FAC"])
+  side_by_side.save_plot(args.plot, curves,
+                         f"ConvNet ({args.api}) on {description}")
   print(f"loss curves saved to {args.plot}")
   return results
 

@@ -44,10 +44,12 @@ import kfac_optax
 
 try:
   from examples import datasets
-  from examples import mlp_classifier
+  from examples import models
+  from examples import side_by_side
 except ImportError:  # run as a script: examples/ itself is on sys.path
   import datasets
-  import mlp_classifier
+  import models
+  import side_by_side
 
 QUICK_STEPS = 40
 QUICK_TRAIN_SIZE = 2048
@@ -255,7 +257,7 @@ def log(*args):
 
 
 def main(argv=None):
-  """Trains the MLP of `mlp_classifier` with K-FAC, data-parallel.
+  """Trains the main example's MLP (`models.MLP`) with K-FAC, data-parallel.
 
   With ``--coordinator`` etc. this joins a `jax.distributed` job first, so it
   must be called before anything else touches JAX's backend.
@@ -290,7 +292,7 @@ def main(argv=None):
         f"devices, feeds rows {rows[0]}:{rows[1]} of each global batch",
         flush=True)
 
-  model = mlp_classifier.MLP(num_classes=num_classes, dtype=jnp.dtype(args.dtype))
+  model = models.MLP(num_classes=num_classes, dtype=jnp.dtype(args.dtype))
   loss = kfac_optax.losses.softmax_cross_entropy()
   # K-FAC discovers the layers on an example of a global batch.
   example_batch = (x_train[:args.batch_size], y_train[:args.batch_size])
@@ -310,8 +312,8 @@ def main(argv=None):
     state = jax.jit(create_state, out_shardings=state_sharding)()
     train_step = make_train_step(loss, args.seed, state_sharding,
                                  batch_sharding)
-    order = mlp_classifier.batch_order(len(x_train), args.batch_size,
-                                       args.steps, args.seed)
+    order = side_by_side.batch_order(len(x_train), args.batch_size,
+                                     args.steps, args.seed)
     losses = []
     start = time.perf_counter()
     for i, indices in enumerate(order):

@@ -1,12 +1,22 @@
-"""Small local classification data sets for the examples (never downloads).
+"""The examples' data sets, all local (nothing is ever downloaded).
 
-`load_classification` prefers Fashion-MNIST as installed by the Debian
-package ``dataset-fashion-mnist`` (idx files under
+Images: `load_classification` prefers Fashion-MNIST as installed by the
+Debian package ``dataset-fashion-mnist`` (idx files under
 ``/usr/share/datasets/fashion-mnist/``) and falls back to the 8x8 digits that
-ship inside scikit-learn.
+ship inside scikit-learn; `as_images` gives them back their square shape.
+
+Text: `load_text` is the Python standard library's own documentation, the
+help topics of ``pydoc_data.topics`` (the text behind ``help("assert")``
+etc., the language reference in plain text), joined in sorted topic order.
+It ships with every CPython; on CPython 3.11 it is about 465 K characters
+over about 100 distinct characters (the exact text, and so the numbers,
+differ slightly between Python versions). The character language models
+read it through `Vocabulary`, `split_text` (the last 10% held out for
+validation) and `windows`.
 """
 
 import gzip
+import math
 import os
 
 import numpy as np
@@ -20,6 +30,7 @@ _FASHION_MNIST_FILES = {
 }
 _IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4",
                0x0D: ">f4", 0x0E: ">f8"}
+VALIDATION_FRACTION = 0.1
 
 
 def read_idx(path):
@@ -117,3 +128,61 @@ def add_subset_flags(parser, quick_train_size, quick_test_size):
   parser.add_argument("--test-size", type=int, default=None,
                       help="use only the first N test examples "
                       f"(default all; {quick_test_size} with --quick)")
+
+
+def as_images(x):
+  """Flattened square grey-scale images ``(N, s*s)`` -> ``(N, s, s, 1)``."""
+  side = math.isqrt(x.shape[1])
+  if side * side != x.shape[1]:
+    raise ValueError(f"{x.shape[1]} features are not a square image")
+  return x.reshape(len(x), side, side, 1)
+
+
+# -- the character text ------------------------------------------------------
+
+
+def load_text():
+  """The stdlib's pydoc help topics as one string, and a description of it."""
+  from pydoc_data import topics  # pylint: disable=g-import-not-at-top
+  text = "\n".join(topics.topics[name] for name in sorted(topics.topics))
+  return text, "CPython's pydoc_data.topics (language reference help text)"
+
+
+class Vocabulary:
+  """Characters <-> integer ids, ids in sorted character order."""
+
+  def __init__(self, text):
+    self.chars = sorted(set(text))
+    self._ids = {c: i for i, c in enumerate(self.chars)}
+
+  def __len__(self):
+    return len(self.chars)
+
+  def encode(self, text):
+    return np.fromiter((self._ids[c] for c in text), np.int32, len(text))
+
+  def decode(self, ids):
+    return "".join(self.chars[i] for i in ids)
+
+
+def split_text(ids, validation_fraction=VALIDATION_FRACTION):
+  """(train ids, validation ids): the validation part is the end of the text."""
+  cut = int(round(len(ids) * (1.0 - validation_fraction)))
+  return ids[:cut], ids[cut:]
+
+
+def windows(ids, starts, length):
+  """Inputs and next-character targets, both ``(len(starts), length)``."""
+  index = np.asarray(starts)[:, None] + np.arange(length + 1)
+  chunk = ids[index]
+  return chunk[:, :-1], chunk[:, 1:]
+
+
+def evaluation_starts(num_ids, length, max_windows=None):
+  """Starts of non-overlapping windows that tile ``num_ids`` characters;
+  ``max_windows`` keeps that many, evenly spread over the text."""
+  starts = np.arange(0, num_ids - length, length)
+  if max_windows is not None and len(starts) > max_windows:
+    keep = np.linspace(0, len(starts) - 1, max_windows).round().astype(int)
+    starts = starts[keep]
+  return starts

@@ -1,13 +1,14 @@
 """K-FAC and Adam on a small GPT-2 written the way Hugging Face writes it.
 
 Hugging Face's Flax GPT-2 (``transformers``' ``FlaxGPT2LMHeadModel``) is not
-built from stock flax layers alone, and this script copies its structure
-(module names, param layouts) in a few dozen lines, so that no download and
-no ``transformers`` install is needed:
+built from stock flax layers alone; this script writes its structure
+(module names, param layouts) anew, so that no download and no
+``transformers`` install is needed:
 
-- every projection (``c_attn``, ``c_proj``, ``c_fc``) is a ``FlaxConv1D``: a
-  Dense layer whose kernel is stored ``(out, in)`` and applied as
-  ``x @ kernel.T + bias``. One line tells K-FAC so::
+- every projection (``c_attn``, ``c_proj``, ``c_fc``) is a ``FlaxConv1D``
+  (``models.FlaxConv1D``, shared with the tests): a Dense layer whose kernel
+  is stored ``(out, in)`` and applied as ``x @ kernel.T + bias``. One line
+  tells K-FAC so::
 
     kfac_optax.register_layer(FlaxConv1D, "dense", kernel_layout="out_in")
 
@@ -17,7 +18,7 @@ no ``transformers`` install is needed:
   folds its statistics into the embedding's block:
   ``tied_embeddings={"lm_head": "transformer/wte"}``.
 
-The text is CPython's pydoc help topics (see ``transformer_lm.py``): a
+The text is CPython's pydoc help topics (``datasets.load_text``): a
 character-level model, every position a loss term. Both optimizers start
 from the same parameters and see the same windows, side by side (a step of
 each in turn). The script prints the K-FAC blocks found, the loss every few
@@ -43,11 +44,15 @@ import optax
 import kfac_optax
 
 try:
-  from examples import mlp_classifier
-  from examples import transformer_lm
+  from examples import cpu_threads
+  from examples import datasets
+  from examples import side_by_side
+  from examples.models import FlaxConv1D
 except ImportError:  # run as a script: examples/ itself is on sys.path
-  import mlp_classifier
-  import transformer_lm
+  import cpu_threads
+  import datasets
+  import side_by_side
+  from models import FlaxConv1D
 
 
 class Config:
@@ -56,21 +61,6 @@ class Config:
   def __init__(self, vocab_size, n_positions, n_embd, n_layer, n_head):
     self.vocab_size, self.n_positions = vocab_size, n_positions
     self.n_embd, self.n_layer, self.n_head = n_embd, n_layer, n_head
-
-
-class FlaxConv1D(nn.Module):
-  """A Dense layer with its kernel stored ``(features, in_features)``."""
-  features: int
-  use_bias: bool = True
-
-  @nn.compact
-  def __call__(self, inputs):
-    kernel = self.param("kernel", nn.initializers.normal(0.02),
-                        (self.features, inputs.shape[-1]))
-    y = jax.lax.dot_general(inputs, kernel.T, (((inputs.ndim - 1,), (0,)), ((), ())))
-    if self.use_bias:
-      y = y + self.param("bias", nn.initializers.zeros, (self.features,))
-    return y
 
 
 class FlaxGPT2Attention(nn.Module):
@@ -199,15 +189,15 @@ def main(argv=None):
   args = parse_args(argv)
   kfac_optax.register_layer(FlaxConv1D, "dense", kernel_layout="out_in")
 
-  text, description = transformer_lm.load_text()
-  vocab = transformer_lm.Vocabulary(text)
-  train_ids, validation_ids = transformer_lm.split_text(vocab.encode(text))
+  text, description = datasets.load_text()
+  vocab = datasets.Vocabulary(text)
+  train_ids, validation_ids = datasets.split_text(vocab.encode(text))
   config = Config(len(vocab), args.seq_len, args.width, args.layers, args.heads)
   model = FlaxGPT2LMHeadModule(config)
   loss = kfac_optax.losses.softmax_cross_entropy()
-  example_batch = transformer_lm.windows(train_ids, np.arange(args.batch_size),
-                                         args.seq_len)
-  trainer = mlp_classifier.linen_trainer(model, loss, example_batch[0], args.seed)
+  example_batch = datasets.windows(train_ids, np.arange(args.batch_size),
+                                   args.seq_len)
+  trainer = side_by_side.linen_trainer(model, loss, example_batch[0], args.seed)
   params = trainer.params
   print(f"{description}; GPT-2 (Hugging Face layout) with n_embd={args.width}, "
         f"n_layer={args.layers}: {sum(p.size for p in jax.tree.leaves(params))} "
@@ -227,19 +217,19 @@ def main(argv=None):
         learning_rate=args.kfac_lr, damping=args.kfac_damping,
         inverse_update_period=1, tied_embeddings={"lm_head": "transformer/wte"},
         layer_overrides={"transformer/h/*/c_*": "diagonal"})
-  order = mlp_classifier.batch_order(
+  order = side_by_side.batch_order(
       len(train_ids) - args.seq_len, args.batch_size, args.steps, args.seed)
-  evaluate = transformer_lm.make_evaluate(model.apply, loss, args.seq_len)
-  eval_starts = transformer_lm.evaluation_starts(
+  evaluate = side_by_side.make_text_evaluate(model.apply, loss, args.seq_len)
+  eval_starts = datasets.evaluation_starts(
       len(validation_ids), args.seq_len, 16 if args.quick else None)
 
   for name, tx in optimizers.items():
     if name.startswith("K-FAC"):
       print(f"{name}: the block of every module\n{kfac_optax.describe(tx, params)}\n")
-  with transformer_lm.single_threaded_lapack():
-    trained = mlp_classifier.train(
+  with cpu_threads.single_threaded_lapack():
+    trained = side_by_side.train(
         {name: trainer.start(tx) for name, tx in optimizers.items()}, trainer.step,
-        lambda i: transformer_lm.windows(train_ids, order[i], args.seq_len),
+        lambda i: datasets.windows(train_ids, order[i], args.seq_len),
         len(order), args.seed)
   curves = {name: losses for name, (_, losses, _) in trained.items()}
   validation = {name: evaluate(state.params, validation_ids, eval_starts)

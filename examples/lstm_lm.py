@@ -3,14 +3,15 @@
 An LSTM applies the same weights at every time step. K-FAC can treat the
 steps of such a layer as independent rows (``"independent"``, the default)
 or model them as a series (``"series_option1"``, ``"series_option2"``;
-Martens, Ba & Johnson 2018, see the README's "Recurrent networks"). This
+Martens, Ba & Johnson 2018, see docs/models.md, "Recurrent networks"). This
 script trains the same LSTM language model with each of the three and with
 Adam at the best of three learning rates, on the same windows in the same
 order, side by side (a step of each in turn, as in ``mlp_classifier.py``),
 and reports the loss against steps and against wall time.
 
-The text is the one `transformer_lm` uses: CPython's ``pydoc_data.topics``
-(shipped with every CPython, nothing is downloaded), the last 10% held out.
+The text is the one ``transformer_lm.py`` uses (``datasets.load_text``):
+CPython's ``pydoc_data.topics`` (shipped with every CPython, nothing is
+downloaded), the last 10% held out.
 The model: a character embedding (width 32), one ``nn.RNN(nn.LSTMCell(64))``
 over the window (its eight gate projections are ``nn.Dense`` layers shared
 over time: the series blocks apply to them), a dense readout per position.
@@ -32,11 +33,13 @@ import optax
 import kfac_optax
 
 try:
-  from examples import mlp_classifier
-  from examples import transformer_lm
+  from examples import cpu_threads
+  from examples import datasets
+  from examples import side_by_side
 except ImportError:  # run as a script: examples/ itself is on sys.path
-  import mlp_classifier
-  import transformer_lm
+  import cpu_threads
+  import datasets
+  import side_by_side
 
 DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                             "output", "lstm_lm.png")
@@ -115,17 +118,17 @@ def main(argv=None):
     ``initial_loss`` (log vocab).
   """
   args = parse_args(argv)
-  text, description = transformer_lm.load_text()
-  vocab = transformer_lm.Vocabulary(text)
-  train_ids, validation_ids = transformer_lm.split_text(vocab.encode(text))
+  text, description = datasets.load_text()
+  vocab = datasets.Vocabulary(text)
+  train_ids, validation_ids = datasets.split_text(vocab.encode(text))
   print(f"{description}: {len(text)} characters, vocabulary {len(vocab)}; "
         f"{args.steps} steps of {args.batch_size} windows of {args.seq_len}")
 
   model = LSTMLM(len(vocab), hidden=args.hidden)
   loss = kfac_optax.losses.softmax_cross_entropy()
-  example_batch = transformer_lm.windows(train_ids, np.arange(args.batch_size),
-                                         args.seq_len)
-  trainer = mlp_classifier.linen_trainer(model, loss, example_batch[0], args.seed)
+  example_batch = datasets.windows(train_ids, np.arange(args.batch_size),
+                                   args.seq_len)
+  trainer = side_by_side.linen_trainer(model, loss, example_batch[0], args.seed)
   optimizers = {
       option: kfac_optax.kfac(
           model.apply, loss, example_batch=example_batch,
@@ -135,16 +138,16 @@ def main(argv=None):
           layer_overrides={"lstm/*": option})
       for option in args.options}
   optimizers.update({f"adam {lr:g}": optax.adam(lr) for lr in args.adam_lrs})
-  order = mlp_classifier.batch_order(len(train_ids) - args.seq_len,
-                                     args.batch_size, args.steps, args.seed)
-  evaluate = transformer_lm.make_evaluate(model.apply, loss, args.seq_len)
-  eval_starts = transformer_lm.evaluation_starts(len(validation_ids), args.seq_len,
-                                                 args.eval_windows)
+  order = side_by_side.batch_order(len(train_ids) - args.seq_len,
+                                   args.batch_size, args.steps, args.seed)
+  evaluate = side_by_side.make_text_evaluate(model.apply, loss, args.seq_len)
+  eval_starts = datasets.evaluation_starts(len(validation_ids), args.seq_len,
+                                           args.eval_windows)
 
-  with transformer_lm.single_threaded_lapack():
-    trained = mlp_classifier.train(
+  with cpu_threads.single_threaded_lapack():
+    trained = side_by_side.train(
         {name: trainer.start(tx) for name, tx in optimizers.items()}, trainer.step,
-        lambda i: transformer_lm.windows(train_ids, order[i], args.seq_len),
+        lambda i: datasets.windows(train_ids, order[i], args.seq_len),
         len(order), args.seed)
   results, curves = {}, {}
   for name, (state, losses, seconds) in trained.items():
@@ -165,11 +168,11 @@ def main(argv=None):
     print(f"{name:>16} {m['last_batch_loss']:13.4f} {m['validation_loss']:8.4f} "
           f"{m['ms_per_step']:7.1f} {m['seconds']:7.1f}{mark}")
   shown = [*args.options, adam]
-  ratios = mlp_classifier.report_time_to_reference_loss(curves, adam, args.options)
+  ratios = side_by_side.report_time_to_reference_loss(curves, adam, args.options)
   for name, ratio in ratios.items():
     results[name]["time_to_adam_final_loss_vs_adam"] = ratio
-  mlp_classifier.save_plot(args.plot, {n: curves[n] for n in shown},
-                           f"LSTM character LM on pydoc topics ({args.steps} steps)")
+  side_by_side.save_plot(args.plot, {n: curves[n] for n in shown},
+                         f"LSTM character LM on pydoc topics ({args.steps} steps)")
   print(f"loss curves saved to {args.plot}")
   out = {name: results[name] for name in args.options}
   out["adam"] = {**results[adam], "learning_rate": float(adam.split()[1])}

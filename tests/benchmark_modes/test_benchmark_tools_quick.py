@@ -5,12 +5,12 @@ benchmarks' compile time)."""
 
 import pytest
 
-from benchmarks import curvature_batch
-from benchmarks import forward_sharing
 from benchmarks import harness
-from benchmarks import recipe_sweep
-from benchmarks import statistics_step
-from benchmarks import step_profile
+from benchmarks.studies import curvature_batch
+from benchmarks.studies import forward_sharing
+from benchmarks.studies import recipe_sweep
+from benchmarks.studies import statistics_step
+from benchmarks.studies import step_profile
 from kfac_optax._src.blocks import conv_gram
 from kfac_optax._src.curvature import canonical_convolutions
 

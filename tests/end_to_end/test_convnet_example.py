@@ -16,6 +16,7 @@ import pytest
 import kfac_optax
 from examples import convnet
 from examples import datasets
+from examples import models
 
 DATASET = "fashion_mnist" if datasets.fashion_mnist_available() else "digits"
 STEPS, BATCH, TRAIN_SIZE, TEST_SIZE = 40, 64, 1024, 256
@@ -30,11 +31,11 @@ ADAM_LR = {"fashion_mnist": 1e-2, "digits": 3e-2}
 def _model_and_params(api, x):
   """(the model as K-FAC takes it, its params as shapes, its layer paths)."""
   if api == "linen":
-    model = convnet.ConvNet()
+    model = models.ConvNet()
     params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
     return model.apply, params, ("Conv_0", "Conv_1", "Dense_0")
-  model = nnx.eval_shape(lambda: convnet.NnxConvNet(*x.shape[1:3],
-                                                    rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: models.NnxConvNet(*x.shape[1:3],
+                                                   rngs=nnx.Rngs(0)))
   return model, nnx.state(model, nnx.Param), ("convs/0", "convs/1", "dense")
 
 

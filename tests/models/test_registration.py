@@ -21,7 +21,7 @@ import pytest
 
 import kfac_optax
 from kfac_optax._src.models import registry
-from examples.gpt2_hf_style import FlaxConv1D as Conv1D  # Hugging Face's layout
+from examples.models import FlaxConv1D as Conv1D  # Hugging Face's layout
 from tests import brute_force as bf
 from tests.conftest import restored_layer_registry
 from tests.blocks.test_layers import DAMPING, LOSS, assert_block, dense_reference, f64

@@ -1,8 +1,9 @@
 """How long one inverse refresh of a model's factors takes, exact and at rank k.
 
 Times jitted `linalg.invert_all` (as `Curvature` refreshes) of the deep
-autoencoder's 16 Kronecker factors (`autoencoder.py`: 784-1000-500-250-30
-and back; input factors of width + 1 rows, output factors of width rows),
+autoencoder's 16 Kronecker factors (`benchmarks/autoencoder.py`:
+784-1000-500-250-30 and back; input factors of width + 1 rows, output
+factors of width rows),
 each a random PSD matrix of its size with a decaying spectrum (a Gram of
 ``2d`` Gaussian rows over columns scaled by ``1/i``), damping 1e-2: exact
 (Cholesky) and at each ``--ranks`` (``factor_rank``, warm-started from the
@@ -12,8 +13,8 @@ OpenBLAS's threads spinning after a LAPACK call (see `kfac_optax.cholesky`).
 
 From the repository root::
 
-  python benchmarks/low_rank_refresh.py               # ranks 32 and 64
-  python benchmarks/low_rank_refresh.py --ranks 16    # others
+  python benchmarks/studies/low_rank_refresh.py               # ranks 32 and 64
+  python benchmarks/studies/low_rank_refresh.py --ranks 16    # others
 """
 
 import argparse
@@ -26,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))  # the repository root
 from benchmarks import autoencoder  # pylint: disable=wrong-import-position
 from kfac_optax._src import linalg  # pylint: disable=wrong-import-position
 

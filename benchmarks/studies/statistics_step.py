@@ -2,7 +2,7 @@
 
 K-FAC's statistics (the capture pass's forward and sampled backward pass,
 the factor products) run on a schedule, inside a `lax.cond`. This races, on
-the ResNet workload (`resnet.py`) at its tuned settings (statistics from 32
+the ResNet workload (`benchmarks/resnet.py`) at its tuned settings (statistics from 32
 of the 128 examples) with exact inverses, interleaved in one run
 (`harness.race`):
 
@@ -20,12 +20,12 @@ of the 128 examples) with exact inverses, interleaved in one run
 Variants 4 to 6 patch the library while their step compiles. Reports the
 median of the steps with statistics and of those without, and the cost of
 a statistics step over a plain one. Inverses are computed once, at step 0.
-Writes ``results/statistics_step.json`` and a RESULTS.md section.
+Writes ``benchmarks/results/statistics_step.json`` and a RESULTS.md section.
 
 From the repository root::
 
-  python benchmarks/statistics_step.py          # ~3 min on 2 CPU cores
-  python benchmarks/statistics_step.py --quick  # smoke test, writes nothing
+  python benchmarks/studies/statistics_step.py          # ~3 min on 2 CPU cores
+  python benchmarks/studies/statistics_step.py --quick  # smoke test, writes nothing
 """
 
 import argparse
@@ -38,7 +38,8 @@ from unittest import mock
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))  # the repository root
 from benchmarks import harness  # pylint: disable=wrong-import-position
 from benchmarks import resnet  # pylint: disable=wrong-import-position
 
@@ -47,7 +48,7 @@ from kfac_optax._src.blocks import kronecker  # pylint: disable=wrong-import-pos
 from kfac_optax._src.curvature import canonical_convolutions  # pylint: disable=wrong-import-position,wrong-import-order
 
 NAME = "statistics_step"
-SCRIPT = "benchmarks/statistics_step.py"
+SCRIPT = "benchmarks/studies/statistics_step.py"
 
 
 # (name, statistics period, a patch active while the step compiles)
@@ -106,7 +107,7 @@ def markdown(payload) -> str:
       f"- **Command:** `{payload['command']}` ({payload['date']}, "
       f"{payload['wall_s'] / 60:.1f} min); one timed run of "
       f"{payload['steps']} steps, the variants interleaved; method: the "
-      "docstring of `benchmarks/statistics_step.py`.",
+      "docstring of `benchmarks/studies/statistics_step.py`.",
       f"- **Machine:** {payload['environment']['cpu']}, "
       f"{payload['environment']['cores']} cores; load average "
       f"{payload['load_average']['min']:.1f}-{payload['load_average']['max']:.1f}.",

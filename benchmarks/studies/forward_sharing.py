@@ -18,8 +18,8 @@ measured as the time of one forward pass.
 
 From the repository root::
 
-  python benchmarks/forward_sharing.py          # full-size models, writes RESULTS.md
-  python benchmarks/forward_sharing.py --quick  # a small autoencoder, prints only
+  python benchmarks/studies/forward_sharing.py          # full-size models, writes RESULTS.md
+  python benchmarks/studies/forward_sharing.py --quick  # a small autoencoder, prints only
 """
 
 import argparse
@@ -33,7 +33,8 @@ import time
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))  # the repository root
 from benchmarks import autoencoder  # pylint: disable=wrong-import-position
 from benchmarks import convnet  # pylint: disable=wrong-import-position
 from benchmarks import harness  # pylint: disable=wrong-import-position
@@ -116,7 +117,7 @@ def markdown_section(results, command, date):
   lines = [
       "## Forward-pass sharing in one jitted step (HLO evidence)", "",
       f"- **Command:** `{command}` ({date}); method: see the docstring of "
-      "`benchmarks/forward_sharing.py`.", "",
+      "`benchmarks/studies/forward_sharing.py`.", "",
       "| workload | stats_update_period | dot+conv ops: user gradient | "
       "K-FAC update | training step | forward ops in the step | shared? |",
       "|---|---:|---:|---:|---:|---:|---|"]
@@ -166,12 +167,13 @@ def main(argv=None):
             for k, v in entry["counts"].items())
               + f" -> shared: {entry['shared']}")
   if args.markdown:
-    command = "python benchmarks/forward_sharing.py"
+    command = "python benchmarks/studies/forward_sharing.py"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     harness.write_json(os.path.join(harness.RESULTS_DIR, f"{NAME}.json"),
                        dict(command=command, date=date, results=results))
     harness.update_markdown(args.markdown, NAME,
-                            markdown_section(results, command, date))
+                            markdown_section(results, command, date),
+                            f"benchmarks/studies/{NAME}.py")
   return results
 
 

@@ -2,11 +2,12 @@
 
 The README's recipe is one set of kfac_optax settings for every workload.
 This races candidate settings (learning rate, damping, KL clipping; the
-recipe's periods: statistics every 10 steps, inverses every 50) on one
-workload of issue 16, interleaved in one run (`harness.interleaved_run`:
-same init, batches and keys), and reports how many steps each needs to
-reach the targets of the workload's last full run (``results/<name>.json``:
-T*k* and B120s, the best Adam's loss after 120 s of step time). A setting
+recipe's periods: statistics every 10 steps, inverses every 50) on one of
+the four workload races (autoencoder, convnet, transformer LM, ResNet),
+interleaved in one run (`harness.interleaved_run`: same init, batches and
+keys), and reports how many steps each needs to reach the targets of the
+workload's last full run (``benchmarks/results/<name>.json``: T*k* and
+B120s, the best Adam's loss after 120 s of step time). A setting
 meets the workload's time target at B120s when
 
     steps to B120s × its mean step ≤ limit × Adam's seconds to B120s,
@@ -15,15 +16,15 @@ with the mean step of this run and Adam's seconds from the workload's run:
 an estimate to choose candidates by; the workload's own run measures the
 chosen one. Each candidate runs the steps that the limit allows at the
 recipe's mean step in the workload's run, plus a fifth. Writes
-``results/recipe_sweep_<name>.json`` and a RESULTS.md section.
+``benchmarks/results/recipe_sweep_<name>.json`` and a RESULTS.md section.
 
 From the repository root::
 
-  python benchmarks/recipe_sweep.py --workload resnet
-  python benchmarks/recipe_sweep.py --workload convnet --configs \\
+  python benchmarks/studies/recipe_sweep.py --workload resnet
+  python benchmarks/studies/recipe_sweep.py --workload convnet --configs \\
       "learning_rate=0.03,damping=0.01;learning_rate=0.003,damping=0.001"
-  python benchmarks/recipe_sweep.py --quick    # smoke test, writes nothing
-  python benchmarks/recipe_sweep.py --out-dir /tmp/s --markdown /tmp/s.md  # keeps
+  python benchmarks/studies/recipe_sweep.py --quick    # smoke test, writes nothing
+  python benchmarks/studies/recipe_sweep.py --out-dir /tmp/s --markdown /tmp/s.md  # keeps
       # RESULTS.md's section and JSON as they are
 """
 
@@ -35,7 +36,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))  # the repository root
 from benchmarks import autoencoder  # pylint: disable=wrong-import-position
 from benchmarks import convnet  # pylint: disable=wrong-import-position
 from benchmarks import harness  # pylint: disable=wrong-import-position
@@ -44,7 +46,8 @@ from benchmarks import transformer_lm  # pylint: disable=wrong-import-position
 
 WORKLOADS = {"autoencoder": autoencoder, "convnet": convnet,
              "transformer_lm": transformer_lm, "resnet": resnet}
-# Issue 16's limit on (seconds to B120s) / (Adam's), per workload.
+# The wall-clock target of each workload (its `GOALS`): the limit on
+# (seconds to B120s) / (Adam's).
 TIME_LIMITS = {"autoencoder": 0.5, "convnet": 0.5, "transformer_lm": 0.7,
                "resnet": 1.0}
 # The first was the recipe before the sweep of 2026-11-23, the fourth is the
@@ -130,14 +133,14 @@ def main(argv=None):
   payload = dict(
       name=f"recipe_sweep_{workload.name}{harness.backend_suffix()}",
       title=workload.title, workload=workload.name, limit=limit,
-      command=" ".join(["python benchmarks/recipe_sweep.py",
+      command=" ".join(["python benchmarks/studies/recipe_sweep.py",
                         *(sys.argv[1:] if argv is None else argv)]),
       date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
       environment=env, load_average=load, reference_date=reference_date,
       targets=targets, steps=steps, rows=rows,
       wall_s=time.perf_counter() - started)
   harness.publish(payload["name"], payload, markdown(payload),
-                  "benchmarks/recipe_sweep.py", write=not args.quick,
+                  "benchmarks/studies/recipe_sweep.py", write=not args.quick,
                   out_dir=args.out_dir, markdown=args.markdown)
   return payload
 

@@ -7,14 +7,14 @@ benchmark settings with n = B, B/2 and B/4 (B the batch size) against the
 workload's best Adam, interleaved in one run (`harness.race`: same
 parameters, batches and keys), and reports each one's step time relative to
 n = B, its smoothed loss at fixed steps and its time to Adam's loss at the
-key step. Writes ``results/curvature_batch_<workload>.json`` and a
+key step. Writes ``benchmarks/results/curvature_batch_<workload>.json`` and a
 RESULTS.md section.
 
 From the repository root::
 
-  python benchmarks/curvature_batch.py                      # autoencoder
-  python benchmarks/curvature_batch.py --workload convnet
-  python benchmarks/curvature_batch.py --quick              # smoke test
+  python benchmarks/studies/curvature_batch.py                      # autoencoder
+  python benchmarks/studies/curvature_batch.py --workload convnet
+  python benchmarks/studies/curvature_batch.py --quick              # smoke test
 """
 
 import argparse
@@ -24,7 +24,8 @@ import time
 
 import optax
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))  # the repository root
 from benchmarks import autoencoder  # pylint: disable=wrong-import-position
 from benchmarks import convnet  # pylint: disable=wrong-import-position
 from benchmarks import harness  # pylint: disable=wrong-import-position
@@ -111,14 +112,14 @@ def main(argv=None):
   rows, summary = harness.summarize(racers, records, compile_s, [key_step], key_step)
   name = f"curvature_batch_{workload.name}{harness.backend_suffix()}"
   payload = dict(
-      **harness.payload_header(name, workload, "benchmarks/curvature_batch.py", argv),
+      **harness.payload_header(name, workload, "benchmarks/studies/curvature_batch.py", argv),
       environment=env, load_average=load,
       config=dict(steps=steps, batch_size=workload.batch_size, seed=args.seed,
                   quick=args.quick),
       loss_steps=[s for s in LOSS_STEPS if s <= steps] or [steps],
       rows=rows, summary=summary)
   payload["wall_s"] = time.perf_counter() - started
-  harness.publish(name, payload, markdown(payload), "benchmarks/curvature_batch.py",
+  harness.publish(name, payload, markdown(payload), "benchmarks/studies/curvature_batch.py",
                   write=not args.quick)
   return payload
 

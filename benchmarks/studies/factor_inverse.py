@@ -4,13 +4,13 @@ Times `damped.damped_inverse` of one ``n × n`` float32 factor (a random Gram
 matrix ``X Xᵀ / m`` with ``m = 2n`` rows, as a layer's statistics are) with
 each inverse method, jitted, after one compiling call; the best of
 ``--repeats`` runs (one run above 2048: each takes seconds to minutes).
-Writes ``results/factor_inverse.json`` (``_gpu`` on an accelerator) and
+Writes ``benchmarks/results/factor_inverse.json`` (``_gpu`` on an accelerator) and
 prints a table.
 
 From the repository root::
 
-  python benchmarks/factor_inverse.py                     # 512 .. 8192
-  python benchmarks/factor_inverse.py --sizes 512 1024    # a quick look
+  python benchmarks/studies/factor_inverse.py                     # 512 .. 8192
+  python benchmarks/studies/factor_inverse.py --sizes 512 1024    # a quick look
 """
 
 import argparse
@@ -23,7 +23,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))  # the repository root
 from kfac_optax._src import linalg  # pylint: disable=wrong-import-position
 from kfac_optax._src.linalg import damped  # pylint: disable=wrong-import-position
 
@@ -70,8 +71,8 @@ def main():
       cells.append(f"{seconds:10.3f}")
     print(f"{n:>6} " + " ".join(cells), flush=True)
   suffix = "" if device.platform == "cpu" else "_gpu"
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                      f"factor_inverse{suffix}.json")
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "results", f"factor_inverse{suffix}.json")  # benchmarks/results
   with open(path, "w") as f:
     json.dump(results, f, indent=1)
   print(f"wrote {path}")

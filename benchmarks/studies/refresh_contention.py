@@ -33,12 +33,12 @@ True: pass"``, started and stopped here):
    each damped factor is inverted from the scaled identity and from the
    previous refresh's inverse (at the example's period, 50 steps before).
 
-Writes ``results/refresh_contention.json`` and a RESULTS.md section.
+Writes ``benchmarks/results/refresh_contention.json`` and a RESULTS.md section.
 
 From the repository root::
 
-  python benchmarks/refresh_contention.py            # ~12 min on 2 CPU cores
-  python benchmarks/refresh_contention.py --quick    # smoke test, writes nothing
+  python benchmarks/studies/refresh_contention.py            # ~12 min on 2 CPU cores
+  python benchmarks/studies/refresh_contention.py --quick    # smoke test, writes nothing
 """
 
 import argparse
@@ -54,10 +54,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))  # the repository root
 from benchmarks import harness  # pylint: disable=wrong-import-position
 from examples import datasets  # pylint: disable=wrong-import-position
-from examples import mlp_classifier  # pylint: disable=wrong-import-position
+from examples import models  # pylint: disable=wrong-import-position
 import kfac_optax  # pylint: disable=wrong-import-position,wrong-import-order
 from kfac_optax._src import linalg  # pylint: disable=wrong-import-position
 from kfac_optax._src.linalg import damped  # pylint: disable=wrong-import-position
@@ -66,6 +67,12 @@ from kfac_optax._src.linalg import newton_schulz  # pylint: disable=wrong-import
 SIZES = (128, 256, 512, 1024, 2048)
 METHODS = ("eigh", "cholesky", "newton_schulz cold", "newton_schulz warm")
 KFAC_INVERSES = ("eigh", "cholesky", "newton_schulz")
+# The main example's settings (the defaults of examples/mlp_classifier.py's
+# flags: the README's recipe, factor_rank 32, Adam at 3e-3).
+EXAMPLE_KFAC = dict(learning_rate=1e-3, momentum=0.9, damping=1e-3,
+                    stats_update_period=10, inverse_update_period=50)
+EXAMPLE_FACTOR_RANK = 32
+EXAMPLE_ADAM_LR = 3e-3
 
 
 @contextlib.contextmanager
@@ -126,26 +133,21 @@ def mlp_example(quick: bool):
   x, y, _, _, description = datasets.load_classification()
   if quick:
     x, y = x[:1024], y[:1024]
-  model, loss = mlp_classifier.MLP(num_classes=10), kfac_optax.losses.softmax_cross_entropy()
+  model, loss = models.MLP(num_classes=10), kfac_optax.losses.softmax_cross_entropy()
   workload = harness.Workload(
       name="mlp_classifier", title="README main example", description=description,
       model=model, loss=loss, inputs=lambda batch: batch[0],
       register_kfac_jax_loss=None, data=(x, y), batch_size=256)
-  args = mlp_classifier.parse_args([])
   step = harness.train_step(workload)
-  recipe = dict(learning_rate=args.kfac_lr, momentum=args.kfac_momentum,
-                damping=args.kfac_damping,
-                stats_update_period=args.kfac_stats_period,
-                inverse_update_period=args.kfac_inverse_period)
   racers = [harness.kfac_optax_contender(
-      f"K-FAC {inverse}", {**recipe, "inverse": inverse}, workload, step)
+      f"K-FAC {inverse}", {**EXAMPLE_KFAC, "inverse": inverse}, workload, step)
             for inverse in KFAC_INVERSES]
   racers.append(harness.kfac_optax_contender(  # the example's own K-FAC
-      f"K-FAC auto, rank {args.kfac_factor_rank}",
-      {**recipe, "factor_rank": args.kfac_factor_rank}, workload, step))
+      f"K-FAC auto, rank {EXAMPLE_FACTOR_RANK}",
+      {**EXAMPLE_KFAC, "factor_rank": EXAMPLE_FACTOR_RANK}, workload, step))
   racers.append(harness.optax_contender(
-      "Adam", "adam", optax.adam(args.adam_lr), dict(learning_rate=args.adam_lr),
-      workload, step))
+      "Adam", "adam", optax.adam(EXAMPLE_ADAM_LR),
+      dict(learning_rate=EXAMPLE_ADAM_LR), workload, step))
   return workload, racers
 
 
@@ -199,7 +201,7 @@ def markdown(payload) -> str:
       "## The inverse refresh on a busy CPU", "",
       f"- **Command:** `{payload['command']}` ({payload['date']}, "
       f"{payload['wall_s'] / 60:.1f} min); method: see the docstring of "
-      "`benchmarks/refresh_contention.py`.",
+      "`benchmarks/studies/refresh_contention.py`.",
       f"- **Machine:** {payload['environment']['cpu']}, "
       f"{payload['environment']['cores']} cores, default environment "
       f"(BLAS: {', '.join(payload['environment']['blas'])}); the machine is "
@@ -258,7 +260,7 @@ def main(argv=None):
     args.rounds = 1
   started = time.perf_counter()
   payload = dict(
-      command=" ".join(["python benchmarks/refresh_contention.py",
+      command=" ".join(["python benchmarks/studies/refresh_contention.py",
                         *(sys.argv[1:] if argv is None else argv)]),
       date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
       environment=harness.environment(), sizes=args.sizes,
@@ -291,7 +293,7 @@ def main(argv=None):
   payload["iterations"] = example_iterations(args.iteration_steps)
   payload["wall_s"] = time.perf_counter() - started
   harness.publish("refresh_contention", payload, markdown(payload),
-                  write=not args.quick)
+                  "benchmarks/studies/refresh_contention.py", write=not args.quick)
   return payload
 
 

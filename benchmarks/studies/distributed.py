@@ -1,8 +1,9 @@
 """Scale benchmark: the inverse refresh and the training step, 1 vs N devices.
 
-Issue 4, acceptance 2. A 784-512-512-512-512-10 tanh MLP on Fashion-MNIST
-(ten Kronecker factors: eight of size 512/513 share one bucket, plus 785 and
-10) at global batch 512.
+The question: what splitting the inverse refresh over the devices of a
+data-parallel mesh costs and gains. A 784-512-512-512-512-10 tanh MLP on
+Fashion-MNIST (ten Kronecker factors: eight of size 512/513 share one
+bucket, plus 785 and 10) at global batch 512.
 
 - Inverse refresh: `linalg.invert_all` over the model's damped factors,
   unsharded on one device against the stacks split over all N devices
@@ -20,8 +21,8 @@ recorded here too) stands in for the speed-up that real devices give.
 
 From the repository root::
 
-  python benchmarks/distributed.py           # full run, writes RESULTS.md
-  python benchmarks/distributed.py --quick   # smoke test
+  python benchmarks/studies/distributed.py           # full run, writes RESULTS.md
+  python benchmarks/studies/distributed.py --quick   # smoke test
 """
 
 import argparse
@@ -29,7 +30,8 @@ import os
 import sys
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
 
 
 def parse_args(argv=None):
@@ -78,7 +80,7 @@ def run(args, argv):
     sys.path.insert(0, REPO_ROOT)
   from benchmarks import harness
   from examples import datasets
-  from examples.transformer_lm import single_threaded_lapack
+  from examples.cpu_threads import single_threaded_lapack
 
   class MLP(nn.Module):
     @nn.compact
@@ -162,7 +164,7 @@ def run(args, argv):
       "step_median_ms": {k: float(np.median(v)) for k, v in step_ms.items()},
       "step_mean_ms": {k: float(np.mean(v)) for k, v in step_ms.items()},
   }
-  command = " ".join(["python benchmarks/distributed.py",
+  command = " ".join(["python benchmarks/studies/distributed.py",
                       *(sys.argv[1:] if argv is None else argv)])
   payload = dict(command=command, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                  environment=environment, dataset=description, width=args.width,
@@ -176,7 +178,8 @@ def run(args, argv):
   if args.markdown:
     harness.write_json(os.path.join(REPO_ROOT, "benchmarks", "results",
                                     "distributed.json"), payload)
-    harness.update_markdown(args.markdown, "distributed", markdown(payload))
+    harness.update_markdown(args.markdown, "distributed", markdown(payload),
+                            "benchmarks/studies/distributed.py")
   return payload
 
 

@@ -2,15 +2,15 @@
 
 Times jitted `Curvature.precondition_and_count` (what every K-FAC step
 applies: ``A⁻¹ V G⁻¹`` per layer and the check that the update fits its
-dtype) on the deep autoencoder (`autoencoder.py`, batch 1000), with the
+dtype) on the deep autoencoder (`benchmarks/autoencoder.py`, batch 1000), with the
 factors and inverses of one step of kfac_optax at the workload's matched
 settings (lr 0.03, damping 3) and a random gradient. The settings are timed
 interleaved, ``--repeats`` rounds; the median of each is reported.
 
 From the repository root::
 
-  python benchmarks/preconditioning.py               # exact and rank 32
-  python benchmarks/preconditioning.py --ranks 16 64
+  python benchmarks/studies/preconditioning.py               # exact and rank 32
+  python benchmarks/studies/preconditioning.py --ranks 16 64
 """
 
 import argparse
@@ -21,7 +21,8 @@ import time
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))  # the repository root
 from benchmarks import autoencoder  # pylint: disable=wrong-import-position
 from benchmarks import harness  # pylint: disable=wrong-import-position
 

@@ -37,9 +37,9 @@ Two views of the benchmark's kfac_optax step (same settings):
 
 From the repository root::
 
-  python benchmarks/step_profile.py          # every workload, writes RESULTS.md
-  python benchmarks/step_profile.py --quick  # a small autoencoder, prints only
-  python benchmarks/step_profile.py --workload autoencoder \
+  python benchmarks/studies/step_profile.py          # every workload, writes RESULTS.md
+  python benchmarks/studies/step_profile.py --quick  # a small autoencoder, prints only
+  python benchmarks/studies/step_profile.py --workload autoencoder \
       --settings "norm_constraint=None,factor_rank=32,curvature_batch_size=250"
                                              # other settings, prints only
 """
@@ -57,7 +57,8 @@ import jax
 import numpy as np
 import optax
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))  # the repository root
 from benchmarks import autoencoder  # pylint: disable=wrong-import-position
 from benchmarks import convnet  # pylint: disable=wrong-import-position
 from benchmarks import harness  # pylint: disable=wrong-import-position
@@ -192,7 +193,7 @@ def markdown_section(results, command, date, device=None):
                       ".1f"))
   lines = [f"## Where kfac_optax's step time goes{where}", "",
            f"- **Command:** `{command}` ({date}); method: see the docstring of "
-           "`benchmarks/step_profile.py`. One OpenBLAS thread.", ""]
+           "`benchmarks/studies/step_profile.py`. One OpenBLAS thread.", ""]
   for name, r in results.items():
     step = r["median_ms"][list(r["median_ms"])[2]]
     total = sum(r["op_ms_per_step"].values())
@@ -249,14 +250,14 @@ def main(argv=None):
       print(f"  {k:<52} {v:8.1f} ms")
   if args.markdown:
     flags = os.environ.get("XLA_FLAGS")
-    command = (f"XLA_FLAGS={flags} " if flags else "") + "python benchmarks/step_profile.py"
+    command = (f"XLA_FLAGS={flags} " if flags else "") + "python benchmarks/studies/step_profile.py"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     device, name = harness.accelerator(), NAME + harness.backend_suffix()
     harness.write_json(os.path.join(harness.RESULTS_DIR, f"{name}.json"),
                        dict(command=command, date=date, device=device, results=results))
     harness.update_markdown(args.markdown, name,
                             markdown_section(results, command, date, device),
-                            f"benchmarks/{NAME}.py")
+                            f"benchmarks/studies/{NAME}.py")
   return results
 
 
