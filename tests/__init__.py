@@ -14,6 +14,8 @@
 - end_to_end/: the docs' snippets, the examples, convergence against Adam.
 - benchmark_modes/: the benchmarks' quick modes.
 
+`test_package_layout.py` holds the package to its layout (no import
+circle, class and function lengths, the public top level).
 `brute_force.py` holds the explicit computations every numerical claim is
 checked against; `nnx_twins.py` the NNX twins of linen test models.
 """
