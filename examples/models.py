@@ -7,6 +7,8 @@
 - `TransformerLM`: the character-level transformer (``transformer_lm.py``).
 - `FlaxConv1D`: Hugging Face's ``Conv1D`` layout, a Dense layer whose kernel
   is stored ``(out, in)`` (``gpt2_hf_style.py``).
+- `DecoderLM`: a decoder-only transformer whose params carry logical axis
+  names, placed by `FSDP_TP_RULES` (``benchmarks/sharded_state.py``).
 """
 
 from flax import nnx
@@ -151,3 +153,78 @@ class FlaxConv1D(nn.Module):
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros, (self.features,))
     return y
+
+
+# Logical axis names of `DecoderLM`'s params, and where a sharded job puts
+# them on a ("data", "model") mesh: FSDP splits the embedding axis over
+# "data", tensor parallelism the heads, the MLP and the vocabulary over
+# "model" (Megatron's column- and row-parallel layers). The key/value heads
+# of grouped attention are fewer than the query heads, so they stay whole.
+FSDP_TP_RULES = (("embed", "data"), ("heads", "model"), ("mlp", "model"),
+                 ("vocab", "model"), ("kv_heads", None), ("head_dim", None))
+
+
+def rotary(x: jax.Array) -> jax.Array:
+  """Rotary position embedding of ``(batch, position, heads, head_dim)``:
+  each pair of features turned by an angle that grows with the position."""
+  half = x.shape[-1] // 2
+  frequencies = 10_000.0 ** (-jnp.arange(half) / half)
+  angles = jnp.arange(x.shape[1])[:, None] * frequencies  # (position, half)
+  cos, sin = jnp.cos(angles)[:, None], jnp.sin(angles)[:, None]
+  first, second = x[..., :half], x[..., half:]
+  return jnp.concatenate([first * cos - second * sin, first * sin + second * cos], -1)
+
+
+class DecoderBlock(nn.Module):
+  """Pre-norm decoder block: RMSNorm, grouped-query causal attention with
+  rotary positions, RMSNorm, gated (SwiGLU) MLP; no biases. Every param
+  carries logical axis names (`FSDP_TP_RULES`)."""
+  width: int
+  heads: int
+  kv_heads: int
+  mlp: int
+
+  @nn.compact
+  def __call__(self, x):
+    init, head_dim = nn.initializers.lecun_normal(), self.width // self.heads
+    dense = lambda features, names, axis=-1: nn.DenseGeneral(
+        features, axis=axis, use_bias=False,
+        kernel_init=nn.with_logical_partitioning(init, names))
+    norm = lambda: nn.RMSNorm(scale_init=nn.with_logical_partitioning(
+        nn.initializers.ones, ("embed",)))
+    h = norm()(x)
+    q = rotary(dense((self.heads, head_dim), ("embed", "heads", "head_dim"))(h))
+    k = rotary(dense((self.kv_heads, head_dim), ("embed", "kv_heads", "head_dim"))(h))
+    v = dense((self.kv_heads, head_dim), ("embed", "kv_heads", "head_dim"))(h)
+    group = self.heads // self.kv_heads
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim)
+    positions = jnp.arange(x.shape[1])
+    logits = jnp.where(positions[:, None] >= positions, logits, -1e9)
+    attended = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits), v)
+    x = x + dense(self.width, ("heads", "head_dim", "embed"), axis=(-2, -1))(attended)
+    h = norm()(x)
+    gated = nn.silu(dense(self.mlp, ("embed", "mlp"))(h)) * dense(self.mlp, ("embed", "mlp"))(h)
+    return x + dense(self.width, ("mlp", "embed"))(gated)
+
+
+class DecoderLM(nn.Module):
+  """Decoder-only transformer LM of `DecoderBlock`s, token embedding and an
+  untied output head, every param with logical axis names."""
+  vocab: int = 256
+  width: int = 128
+  depth: int = 2
+  heads: int = 8
+  kv_heads: int = 2
+  mlp: int = 512
+
+  @nn.compact
+  def __call__(self, ids):
+    part = nn.with_logical_partitioning
+    x = nn.Embed(self.vocab, self.width, embedding_init=part(
+        nn.initializers.normal(0.02), ("vocab", "embed")))(ids)
+    for _ in range(self.depth):
+      x = DecoderBlock(self.width, self.heads, self.kv_heads, self.mlp)(x)
+    x = nn.RMSNorm(scale_init=part(nn.initializers.ones, ("embed",)))(x)
+    return nn.Dense(self.vocab, use_bias=False, kernel_init=part(
+        nn.initializers.lecun_normal(), ("embed", "vocab")))(x)

@@ -1,0 +1,314 @@
+"""K-FAC in a sharded job: its state's bytes per device, and what a step sends.
+
+A decoder-only transformer (`examples.models.DecoderLM`: RMSNorm, rotary,
+grouped-query attention, gated MLP; params with Flax's logical axis names,
+placed by `examples.models.FSDP_TP_RULES`: FSDP over "data", tensor
+parallelism over "model") on a ("data", "model") mesh, the batch split over
+"data". For K-FAC (the README's recipe) and AdamW, each on meshes 1×1, 2×4
+and 4×2 of 8 simulated CPU devices:
+
+- bytes per device of the optimizer state and of the params, where a jitted
+  ``init`` and a jitted step (no shardings given for the state) place them;
+- collective bytes per device per step, read from the compiled step's HLO
+  (`benchmarks.collectives`), averaged over the recipe's schedule: the
+  statistics every 10 steps and the inverses every 50 (a step compiled with
+  each part unconditional, then apart);
+- the mean step time, and K-FAC's against its step with the state placed
+  replicated by `kfac_optax.sharding.state_shardings`, on the same mesh.
+
+``--large`` adds the same state and params bytes for a 1.34B-parameter
+configuration (24 layers, width 2048, MLP 8192, vocabulary 32k, untied head)
+on 64 and 256 devices, from the compiled ``init`` alone (abstract shapes,
+nothing allocated), in a process of its own per device count.
+
+From the repository root::
+
+  python benchmarks/sharded_state.py --large   # full run, writes RESULTS.md
+  python benchmarks/sharded_state.py --quick   # smoke test, no files
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAME = "sharded_state"
+# 1.34B parameters: 24 layers of width 2048, a gated MLP of 5464 (about the
+# parameters of a plain MLP of 8192), a 32k vocabulary, an untied head.
+LARGE = dict(vocab=32_000, width=2048, depth=24, heads=16, kv_heads=16, mlp=5464)
+SMALL = dict(vocab=512, width=128, depth=2, heads=8, kv_heads=2, mlp=512)
+MESHES = ((1, 1), (2, 4), (4, 2))
+NEVER = 10**9  # a schedule period: at step 0, then never
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+  parser.add_argument("--quick", action="store_true",
+                      help="smoke test: one layer, the 2 x 4 mesh, 2 timed steps, no files")
+  parser.add_argument("--large", action="store_true",
+                      help="also the 1.34B configuration on 64 and 256 devices")
+  parser.add_argument("--steps", type=int, default=None, help="timed steps")
+  parser.add_argument("--batch-size", type=int, default=16)
+  parser.add_argument("--sequence", type=int, default=64)
+  parser.add_argument("--markdown", default=None)
+  parser.add_argument("--large-devices", type=int, default=None,
+                      help=argparse.SUPPRESS)  # the subprocess of --large
+  args = parser.parse_args(argv)
+  args.steps = args.steps or (2 if args.quick else 20)
+  if args.markdown is None and not args.quick:
+    args.markdown = os.path.join(REPO_ROOT, "benchmarks", "RESULTS.md")
+  return args
+
+
+def per_device_bytes(tree, shardings) -> int:
+  """The largest per-device share of ``tree``'s arrays placed by ``shardings``."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  totals = {}
+  for leaf, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+    shape = sharding.shard_shape(leaf.shape)
+    for device in sharding.device_set:
+      totals[device] = totals.get(device, 0) + int(np.prod(shape)) * leaf.dtype.itemsize
+  return max(totals.values())
+
+
+def setting_up(config, mesh_shape, batch_size, sequence):
+  """(model, loss, sharded params, batch, mesh) for a mesh shape."""
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import kfac_optax  # pylint: disable=import-outside-toplevel
+  from examples import models  # pylint: disable=import-outside-toplevel
+  mesh = jax.make_mesh(mesh_shape, ("data", "model"),
+                       devices=jax.devices()[:mesh_shape[0] * mesh_shape[1]],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  model = models.DecoderLM(**config)
+  ids = jnp.zeros((batch_size, sequence + 1), jnp.int32)
+  abstract = jax.eval_shape(model.init, jax.random.key(0), ids[:, :-1])["params"]
+  shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh,
+                                          models.FSDP_TP_RULES)
+  params = jax.jit(lambda key: model.init(key, ids[:, :-1])["params"],
+                   out_shardings=shardings)(jax.random.key(0))
+  tokens = jax.random.randint(jax.random.key(1), ids.shape, 0, config["vocab"])
+  tokens = jax.device_put(tokens, jax.sharding.NamedSharding(mesh, jax.P("data")))
+  batch = (tokens[:, :-1], tokens[:, 1:])
+  return model, kfac_optax.losses.softmax_cross_entropy(), params, batch, mesh
+
+
+def optimizers(model, loss, batch, **periods):
+  import kfac_optax  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+  recipe = dict(learning_rate=1e-3, damping=1e-3, stats_update_period=10,
+                inverse_update_period=50)
+  return {"kfac_optax (recipe)": kfac_optax.kfac(
+              model.apply, loss, example_batch=batch, **{**recipe, **periods}),
+          "adamw": optax.adamw(1e-3)}
+
+
+def step_fn(model, loss, tx):
+  import jax  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+
+  def step(params, state, batch, key):
+    grads = jax.grad(lambda p: loss.value(model.apply({"params": p}, batch[0]),
+                                          batch))(params)
+    updates, state = tx.update(grads, state, params, batch=batch, rng=key)
+    return optax.apply_updates(params, updates), state
+  return step
+
+
+def collective_bytes(model, loss, params, batch, name):
+  """Bytes per device per step, averaged over the recipe's schedule: the
+  step compiled with no statistics or refresh, with statistics, with both."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from benchmarks import collectives  # pylint: disable=import-outside-toplevel
+  variants = {"plain": (NEVER, NEVER), "statistics": (1, NEVER), "both": (1, 1)}
+  if name == "adamw":
+    variants = {"plain": (NEVER, NEVER)}
+  sent = {}
+  for variant, (stats, inverses) in variants.items():
+    tx = optimizers(model, loss, batch, stats_update_period=stats,
+                    inverse_update_period=inverses)[name]
+    state = jax.jit(tx.init)(params)
+    compiled = jax.jit(step_fn(model, loss, tx)).lower(
+        params, state, batch, jax.random.key(0)).compile()
+    sent[variant] = collectives.step_bytes(compiled.as_text()).total()
+  if name == "adamw":
+    return {"per_step": sent["plain"], "plain": sent["plain"]}
+  statistics = sent["statistics"] - sent["plain"]
+  refresh = sent["both"] - sent["statistics"]
+  return {"per_step": sent["plain"] + statistics / 10 + refresh / 50,
+          "plain": sent["plain"], "statistics": statistics, "refresh": refresh}
+
+
+def measure_mesh(mesh_shape, args, config):
+  """The figures of both optimizers on one mesh."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import kfac_optax  # pylint: disable=import-outside-toplevel
+  model, loss, params, batch, mesh = setting_up(config, mesh_shape,
+                                                args.batch_size, args.sequence)
+  rows = {}
+  for name, tx in optimizers(model, loss, batch).items():
+    init = jax.jit(tx.init).lower(params).compile()
+    state = init(params)
+    step = jax.jit(step_fn(model, loss, tx))
+    placements = {"as XLA places it": step}
+    if name != "adamw":  # the documented replicated placement
+      replicated = kfac_optax.sharding.state_shardings(state, mesh)
+      placements["replicated"] = jax.jit(
+          step_fn(model, loss, tx), in_shardings=(None, replicated, None, None),
+          out_shardings=(None, replicated))
+    times = {}
+    for placement, run in placements.items():
+      p, s = params, state
+      for i in range(2):  # the state's placement may change once: compiled twice
+        p, s = jax.block_until_ready(run(p, s, batch, jax.random.key(i)))
+      start = time.perf_counter()
+      for i in range(args.steps):
+        p, s = run(p, s, batch, jax.random.key(i + 1))
+      jax.block_until_ready((p, s))
+      times[placement] = 1000 * (time.perf_counter() - start) / args.steps
+    step_state = step.lower(params, state, batch, jax.random.key(0)).compile(
+        ).output_shardings[1]
+    rows[name] = {
+        "state_bytes_after_init": per_device_bytes(state, init.output_shardings),
+        "state_bytes_after_step": per_device_bytes(state, step_state),
+        "params_bytes": per_device_bytes(params, jax.tree.map(
+            lambda x: x.sharding, params)),
+        "collectives": collective_bytes(model, loss, params, batch, name),
+        "step_ms": times}
+  return rows
+
+
+def measure_large(devices: int):
+  """State and params bytes per device of the 1.34B configuration, from the
+  compiled init alone (run in a process with ``devices`` CPU devices)."""
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import kfac_optax  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+  from examples import models  # pylint: disable=import-outside-toplevel
+  model_axis = 8
+  mesh = jax.make_mesh((devices // model_axis, model_axis), ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  model = models.DecoderLM(**LARGE)
+  ids = jax.ShapeDtypeStruct((devices, 128), jnp.int32)
+  abstract = jax.eval_shape(model.init, jax.random.key(0), ids)["params"]
+  shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh,
+                                          models.FSDP_TP_RULES)
+  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        nn.meta.unbox(abstract), nn.meta.unbox(shardings))
+  batch = (ids, ids)
+  result = {"devices": devices, "mesh": [devices // model_axis, model_axis],
+            "params_bytes": per_device_bytes(params, jax.tree.map(
+                lambda x: x.sharding, params)),
+            "params_total": sum(x.size for x in jax.tree.leaves(params))}
+  loss = kfac_optax.losses.softmax_cross_entropy()
+  for name, tx in (("kfac_optax (recipe)", kfac_optax.kfac(
+      model.apply, loss, example_batch=batch, learning_rate=1e-3, damping=1e-3,
+      stats_update_period=10, inverse_update_period=50)),
+                   ("adamw", optax.adamw(1e-3))):
+    compiled = jax.jit(tx.init).lower(params).compile()
+    state = jax.eval_shape(tx.init, params)
+    step = jax.jit(step_fn(model, loss, tx)).lower(
+        params, state, batch, jax.random.key(0)).compile()
+    result[name] = {
+        "after_init": per_device_bytes(state, compiled.output_shardings),
+        "after_step": per_device_bytes(state, step.output_shardings[1])}
+  return result
+
+
+def run_large(devices: int) -> dict:
+  """`measure_large` in a fresh process with ``devices`` CPU devices."""
+  out = subprocess.run(
+      [sys.executable, os.path.abspath(__file__), "--large-devices", str(devices)],
+      capture_output=True, text=True, check=True, cwd=REPO_ROOT)
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def gigabytes(n) -> str:
+  return f"{n / 1e9:.3f} GB"
+
+
+def markdown(payload) -> str:
+  lines = [f"## K-FAC in a sharded job: state bytes and collectives per device",
+           "", f"`{payload['command']}` ({payload['date']}; CPU, 8 simulated "
+           "devices; the model: " + ", ".join(f"{k} {v}" for k, v in SMALL.items())
+           + f", batch {payload['batch_size']} × {payload['sequence']} tokens).",
+           "", "| mesh (data × model) | optimizer | state / device | params / "
+           "device | state after a step | collective bytes / step (plain · "
+           "statistics · refresh) | step ms (replicated state) |",
+           "|---|---|---:|---:|---:|---|---|"]
+  for mesh, rows in payload["meshes"].items():
+    for name, row in rows.items():
+      sent = row["collectives"]
+      parts = (f"{sent['per_step']:,.0f} ({sent['plain']:,} · {sent['statistics']:,}"
+               f" · {sent['refresh']:,})" if "statistics" in sent
+               else f"{sent['per_step']:,.0f}")
+      ms = row["step_ms"]
+      timing = f"{ms['as XLA places it']:.1f}" + (
+          f" ({ms['replicated']:.1f})" if "replicated" in ms else "")
+      lines.append(f"| {mesh} | {name} | {row['state_bytes_after_init']:,} | "
+                   f"{row['params_bytes']:,} | {row['state_bytes_after_step']:,} | "
+                   f"{parts} | {timing} |")
+  if payload.get("large"):
+    lines += ["", "The 1.34B configuration (" + ", ".join(
+        f"{k} {v}" for k, v in LARGE.items()) + "), float32, from the compiled "
+              "`init` and step (nothing allocated; after a step: where XLA "
+              "places the state the step returns):", "",
+              "| devices (data × model) | params | params / device | K-FAC state / "
+              "device, after init · after a step | AdamW state / device, after "
+              "init · after a step |", "|---|---:|---:|---:|---:|"]
+    for row in payload["large"]:
+      kfac, adamw = row["kfac_optax (recipe)"], row["adamw"]
+      lines.append(
+          f"| {row['devices']} ({row['mesh'][0]} × {row['mesh'][1]}) | "
+          f"{row['params_total'] / 1e9:.2f}B | {gigabytes(row['params_bytes'])} | "
+          f"{gigabytes(kfac['after_init'])} · {gigabytes(kfac['after_step'])} | "
+          f"{gigabytes(adamw['after_init'])} · {gigabytes(adamw['after_step'])} |")
+  lines += ["", "Collective bytes: the per-device results of the compiled step's "
+            "all-reduces, all-gathers, reduce-scatters, all-to-alls and "
+            "collective-permutes (`benchmarks/collectives.py`); per step: the "
+            "plain step, plus the statistics' part / 10 and the refresh's / 50."]
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  import jax  # pylint: disable=import-outside-toplevel
+  devices = args.large_devices or 8
+  try:  # CPU only; must precede any JAX work
+    jax.config.update("jax_num_cpu_devices", devices)
+  except RuntimeError:
+    pass
+  if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+  from examples import cpu_threads  # pylint: disable=import-outside-toplevel
+  cpu_threads.single_threaded_lapack().__enter__()
+  if args.large_devices:
+    print(json.dumps(measure_large(args.large_devices)))
+    return
+  from benchmarks import harness  # pylint: disable=import-outside-toplevel
+  config = {**SMALL, "depth": 1} if args.quick else SMALL
+  meshes = MESHES[1:2] if args.quick else MESHES
+  payload = {"command": " ".join(["python benchmarks/sharded_state.py",
+                                  *(sys.argv[1:] if argv is None else argv)]),
+             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+             "batch_size": args.batch_size, "sequence": args.sequence,
+             "meshes": {f"{d} × {m}": measure_mesh((d, m), args, config)
+                        for d, m in meshes}}
+  if args.large:
+    payload["large"] = [run_large(n) for n in (64, 256)]
+  section = markdown(payload)
+  if args.markdown:
+    harness.write_json(os.path.join(harness.RESULTS_DIR, f"{NAME}.json"), payload)
+    harness.update_markdown(args.markdown, NAME, section)
+  print(section)
+
+
+if __name__ == "__main__":
+  main()
