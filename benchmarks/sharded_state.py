@@ -235,7 +235,7 @@ def gigabytes(n) -> str:
 
 
 def markdown(payload) -> str:
-  lines = [f"## K-FAC in a sharded job: state bytes and collectives per device",
+  lines = ["## K-FAC in a sharded job: state bytes and collectives per device",
            "", f"`{payload['command']}` ({payload['date']}; CPU, 8 simulated "
            "devices; the model: " + ", ".join(f"{k} {v}" for k, v in SMALL.items())
            + f", batch {payload['batch_size']} × {payload['sequence']} tokens).",
