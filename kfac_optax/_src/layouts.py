@@ -434,7 +434,7 @@ class EmbeddingLayout:
 class NormLayout:
   """A normalisation ``y = x̂ · scale + bias``, scale and bias per feature.
 
-  The captured input is the normalised ``x̂`` itself (see `layers`), so the
+  The captured input is the normalised ``x̂`` itself (see `models.kinds`), so the
   per-example gradients are exact: ``∇scale_n = Σ_positions g ⊙ x̂`` and
   ``∇bias_n = Σ_positions g``, summed over every axis of example ``n`` (axis
   0) other than the feature axes.

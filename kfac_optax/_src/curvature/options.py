@@ -70,13 +70,13 @@ class CurvatureOptions:
       needs ``rng``).
     inverse: how the refresh inverts the damped factors: ``"eigh"``,
       ``"cholesky"`` (LAPACK, eigh for a factor where it fails; on CPU
-      through SciPy's OpenBLAS), ``"newton_schulz"`` (matrix
-      products only, started from the previous inverse, Cholesky where it
-      stays inaccurate; `linalg.newton_schulz_inverse`), or ``"auto"``
-      (default): ``"cholesky"`` on CPU, where it was measured fastest
-      in a training step, ``"eigh"`` on other backends
-      (`linalg.damped.resolve_inverse`). See benchmarks/RESULTS.md, "The inverse
-      refresh on a busy CPU".
+      through SciPy's OpenBLAS), ``"newton_schulz"`` (matrix products only,
+      started from the previous inverse, Cholesky where it stays
+      inaccurate; `linalg.newton_schulz.newton_schulz_inverse`), or
+      ``"auto"`` (default): ``"cholesky"`` on CPU, where it was measured
+      fastest in a training step, ``"eigh"`` on other backends
+      (`linalg.damped.resolve_inverse`). See benchmarks/RESULTS.md, "The
+      inverse refresh on a busy CPU".
     num_samples: draws per example for ``"fisher"`` and ``"curvature_prop"``,
       a positive int.
     apply_kwargs: constant keyword arguments for ``apply_fn`` (e.g.

@@ -352,7 +352,7 @@ class NNXModel:
 
   def discover(self, variables: Any, args: Sequence[Any],
                apply_kwargs: dict[str, Any]) -> capture.Discovered:
-    """`capture.discover` for this model: one abstract run under the hooks."""
+    """`front_end.discover` for this model: one abstract run under the hooks."""
     kwargs = {k: v for k, v in apply_kwargs.items() if k != "rngs"}
     try:
       return self._trace(variables, args, kwargs)[0]

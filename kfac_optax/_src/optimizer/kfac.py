@@ -188,7 +188,9 @@ def kfac(
     ``batch=`` (and ``rng=`` for random estimation modes). Arguments are
     spelled out so that ``optax.inject_hyperparams(kfac, static_args=
     ("apply_fn", "num_samples"))`` can inject the numeric ones (list
-    ``curvature_batch_size`` and ``factor_rank`` there too when given).
+    ``inputs`` and ``outputs`` there too when given, optax taking every
+    callable for a schedule, and ``curvature_batch_size``, ``factor_rank``
+    and ``max_factor_dim`` when given a number; docs/settings.md).
 
   Raises:
     ValueError: for a setting outside its range (a schedule: at count 0).

@@ -48,9 +48,9 @@ def scale_by_kfac(
 ) -> optax.GradientTransformationExtraArgs:
   """Preconditions gradients with K-FAC's damped Kronecker-factored Fisher.
 
-  Each captured layer gets its own block (docs/models.md, "Layers"):
-  ``nn.Dense``, ``nn.DenseGeneral``, ``nn.Einsum``, ``nn.Conv`` and
-  ``nn.ConvTranspose`` (over im2col patches) a Kronecker block
+  Each captured layer gets its own block (docs/models.md, "The layers
+  K-FAC knows"): ``nn.Dense``, ``nn.DenseGeneral``, ``nn.Einsum``,
+  ``nn.Conv`` and ``nn.ConvTranspose`` (over im2col patches) a Kronecker block
   ``A ⊗ G``; ``nn.Embed`` (a tied ``attend`` use merged in) a Kronecker
   block with ``A`` diagonal; ``nn.LayerNorm``, ``nn.RMSNorm``,
   ``nn.GroupNorm``, ``nn.InstanceNorm`` and ``nn.BatchNorm`` an exact
