@@ -321,11 +321,11 @@ def save_plot(path, curves, title, window=SMOOTHING):
     os.makedirs(directory, exist_ok=True)
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
   for label, (losses, seconds) in curves.items():
-    window = max(1, min(window, len(losses) // 10))
+    smoothing = max(1, min(window, len(losses) // 10))  # per curve
     for ax, x in zip(axes, (np.arange(1, len(losses) + 1),
                             np.cumsum(np.r_[0.0, seconds[1:]]))):
-      line, = ax.plot(x, trailing_mean(losses, window),
-                      label=f"{label} (trailing mean of {window})")
+      line, = ax.plot(x, trailing_mean(losses, smoothing),
+                      label=f"{label} (trailing mean of {smoothing})")
       ax.plot(x, losses, color=line.get_color(), alpha=0.2, linewidth=0.8)
   for ax, label in zip(axes, ("step", "training time (s, compilation excluded)")):
     ax.set(xlabel=label, yscale="log",
