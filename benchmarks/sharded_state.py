@@ -13,8 +13,11 @@ and 4×2 of 8 simulated CPU devices:
   (`benchmarks.collectives`), averaged over the recipe's schedule: the
   statistics every 10 steps and the inverses every 50 (a step compiled with
   each part unconditional, then apart);
-- the mean step time, and K-FAC's against its step with the state placed
-  replicated by `kfac_optax.sharding.state_shardings`, on the same mesh.
+- the mean step time, and K-FAC's against its step with every leaf of the
+  state replicated (as it was before the factors were spread), same mesh.
+
+Both run as a sharded job runs them: ``init`` and the step under
+``jax.set_mesh``, no shardings given for the optimizer state.
 
 ``--large`` adds the same state and params bytes for a 1.34B-parameter
 configuration (24 layers, width 2048, MLP 8192, vocabulary 32k, untied head)
@@ -145,41 +148,45 @@ def collective_bytes(model, loss, params, batch, name):
 
 
 def measure_mesh(mesh_shape, args, config):
-  """The figures of both optimizers on one mesh."""
+  """The figures of both optimizers on one mesh, each run as a sharded job
+  runs it: ``init`` and the step jitted under ``jax.set_mesh``."""
   import jax  # pylint: disable=import-outside-toplevel
-  import kfac_optax  # pylint: disable=import-outside-toplevel
   model, loss, params, batch, mesh = setting_up(config, mesh_shape,
                                                 args.batch_size, args.sequence)
+  replicated = jax.sharding.NamedSharding(mesh, jax.P())
   rows = {}
   for name, tx in optimizers(model, loss, batch).items():
-    init = jax.jit(tx.init).lower(params).compile()
-    state = init(params)
-    step = jax.jit(step_fn(model, loss, tx))
-    placements = {"as XLA places it": step}
-    if name != "adamw":  # the documented replicated placement
-      replicated = kfac_optax.sharding.state_shardings(state, mesh)
-      placements["replicated"] = jax.jit(
-          step_fn(model, loss, tx), in_shardings=(None, replicated, None, None),
-          out_shardings=(None, replicated))
-    times = {}
-    for placement, run in placements.items():
-      p, s = params, state
-      for i in range(2):  # the state's placement may change once: compiled twice
-        p, s = jax.block_until_ready(run(p, s, batch, jax.random.key(i)))
-      start = time.perf_counter()
-      for i in range(args.steps):
-        p, s = run(p, s, batch, jax.random.key(i + 1))
-      jax.block_until_ready((p, s))
-      times[placement] = 1000 * (time.perf_counter() - start) / args.steps
-    step_state = step.lower(params, state, batch, jax.random.key(0)).compile(
-        ).output_shardings[1]
-    rows[name] = {
-        "state_bytes_after_init": per_device_bytes(state, init.output_shardings),
-        "state_bytes_after_step": per_device_bytes(state, step_state),
-        "params_bytes": per_device_bytes(params, jax.tree.map(
-            lambda x: x.sharding, params)),
-        "collectives": collective_bytes(model, loss, params, batch, name),
-        "step_ms": times}
+    placements = {}
+    if name != "adamw":  # the state as it was: every leaf on every device
+      whole = jax.tree.map(lambda _: replicated, jax.eval_shape(tx.init, params))
+      placements["replicated"] = (
+          jax.jit(tx.init, out_shardings=whole)(params),
+          jax.jit(step_fn(model, loss, tx), in_shardings=(None, whole, None, None),
+                  out_shardings=(None, whole)))
+    with jax.set_mesh(mesh):
+      init = jax.jit(tx.init).lower(params).compile()
+      state = init(params)
+      step = jax.jit(step_fn(model, loss, tx))
+      placements["as XLA places it"] = (state, step)
+      times = {}
+      for placement, (s, run) in placements.items():
+        p = params
+        for i in range(2):  # the state's placement may change once: compiled twice
+          p, s = jax.block_until_ready(run(p, s, batch, jax.random.key(i)))
+        start = time.perf_counter()
+        for i in range(args.steps):
+          p, s = run(p, s, batch, jax.random.key(i + 1))
+        jax.block_until_ready((p, s))
+        times[placement] = 1000 * (time.perf_counter() - start) / args.steps
+      step_state = step.lower(params, state, batch, jax.random.key(0)).compile(
+          ).output_shardings[1]
+      rows[name] = {
+          "state_bytes_after_init": per_device_bytes(state, init.output_shardings),
+          "state_bytes_after_step": per_device_bytes(state, step_state),
+          "params_bytes": per_device_bytes(params, jax.tree.map(
+              lambda x: x.sharding, params)),
+          "collectives": collective_bytes(model, loss, params, batch, name),
+          "step_ms": times}
   return rows
 
 
@@ -208,17 +215,18 @@ def measure_large(devices: int):
                 lambda x: x.sharding, params)),
             "params_total": sum(x.size for x in jax.tree.leaves(params))}
   loss = kfac_optax.losses.softmax_cross_entropy()
-  for name, tx in (("kfac_optax (recipe)", kfac_optax.kfac(
-      model.apply, loss, example_batch=batch, learning_rate=1e-3, damping=1e-3,
-      stats_update_period=10, inverse_update_period=50)),
-                   ("adamw", optax.adamw(1e-3))):
-    compiled = jax.jit(tx.init).lower(params).compile()
-    state = jax.eval_shape(tx.init, params)
-    step = jax.jit(step_fn(model, loss, tx)).lower(
-        params, state, batch, jax.random.key(0)).compile()
-    result[name] = {
-        "after_init": per_device_bytes(state, compiled.output_shardings),
-        "after_step": per_device_bytes(state, step.output_shardings[1])}
+  with jax.set_mesh(mesh):  # as the sharded job it stands for
+    for name, tx in (("kfac_optax (recipe)", kfac_optax.kfac(
+        model.apply, loss, example_batch=batch, learning_rate=1e-3, damping=1e-3,
+        stats_update_period=10, inverse_update_period=50)),
+                     ("adamw", optax.adamw(1e-3))):
+      compiled = jax.jit(tx.init).lower(params).compile()
+      state = jax.eval_shape(tx.init, params)
+      step = jax.jit(step_fn(model, loss, tx)).lower(
+          params, state, batch, jax.random.key(0)).compile()
+      result[name] = {
+          "after_init": per_device_bytes(state, compiled.output_shardings),
+          "after_step": per_device_bytes(state, step.output_shardings[1])}
   return result
 
 

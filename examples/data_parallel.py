@@ -142,11 +142,10 @@ def state_shardings(abstract_state, mesh):
 
   The one place that decides where the state lives: the step's
   ``in_shardings``/``out_shardings`` and the state's creation all use it.
-  Large factor statistics with a stack axis are split over the devices; the
-  rest (this model's everything) is replicated.
+  The Kronecker factors and inverses are split over the devices, each
+  owning whole layers; the rest is replicated.
   """
-  return kfac_optax.sharding.state_shardings(abstract_state, mesh,
-                                             shard_factors=True)
+  return kfac_optax.sharding.state_shardings(abstract_state, mesh)
 
 
 def local_rows(sharding, global_size):

@@ -1,26 +1,21 @@
 """Placing K-FAC's state on a mesh: the sharding of every leaf.
 
 Data parallelism itself needs nothing from here: with the batch sharded over
-a mesh axis, XLA all-reduces the statistics. `state_shardings` keeps the
-state's placement fixed across steps (``in_shardings``/``out_shardings``);
-the inverse refresh spreads itself over the mesh (`linalg.distributed`).
+a mesh axis, XLA all-reduces the statistics. A jitted ``init`` and step
+place the state themselves (the Kronecker factors' stacks split over the
+mesh, `curvature.block_stacks`); `state_shardings` names the same placement
+for ``in_shardings``/``out_shardings``, so that it stays fixed across steps.
 """
 
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from kfac_optax._src.curvature.state import ScaleByKFACState
-
-# Below this many bytes a factor array is replicated even when
-# `state_shardings(shard_factors=True)`: gathering it would cost more than it saves.
-MIN_SHARDED_BYTES = 1 << 20
+from kfac_optax._src.curvature.block_stacks import BlockStacks
 
 
-def state_shardings(tree: Any, mesh: jax.sharding.Mesh, *,
-                    shard_factors: bool = False) -> Any:
+def state_shardings(tree: Any, mesh: jax.sharding.Mesh) -> Any:
   """The `NamedSharding` of every leaf of a state holding K-FAC's state.
 
   Pass the result as ``in_shardings``/``out_shardings`` of the jitted step
@@ -28,14 +23,14 @@ def state_shardings(tree: Any, mesh: jax.sharding.Mesh, *,
   resharded between steps. Works on a `ScaleByKFACState`, on the state of an
   optax chain or of `kfac`, and on a whole `TrainState`.
 
+  Each stack of Kronecker factors and inverses is split along its slots over
+  every axis of ``mesh`` (where the slots divide into its size: a state made
+  for another mesh is replicated); every other leaf is replicated.
+
   Args:
     tree: a pytree (arrays or ``jax.ShapeDtypeStruct``) that may contain
-      `ScaleByKFACState` nodes.
+      K-FAC states.
     mesh: the device mesh.
-    shard_factors: also split the leading (stack) axis of each large factor
-      statistic (at least ``MIN_SHARDED_BYTES``, axis divisible by the mesh
-      size) over all mesh axes; every other leaf is replicated. The inverses
-      stay replicated: every device multiplies by all of them each step.
 
   Returns:
     A pytree of `NamedSharding` with the structure of ``tree``.
@@ -43,18 +38,11 @@ def state_shardings(tree: Any, mesh: jax.sharding.Mesh, *,
   replicated = NamedSharding(mesh, PartitionSpec())
   split = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
 
-  def factor_sharding(leaf):
-    shape, dtype = np.shape(leaf), np.dtype(leaf.dtype)
-    large = np.prod(shape) * dtype.itemsize >= MIN_SHARDED_BYTES
-    divisible = len(shape) > 0 and shape[0] % mesh.size == 0
-    return split if shard_factors and large and divisible else replicated
-
   def sharding_of(node):
-    if isinstance(node, ScaleByKFACState):
-      return jax.tree.map(lambda _: replicated, node)._replace(
-          factors=jax.tree.map(factor_sharding, node.factors),
-          inverses=jax.tree.map(lambda _: replicated, node.inverses))
+    if isinstance(node, BlockStacks):
+      stacks = jax.tree.map(
+          lambda x: split if x.shape[0] % mesh.size == 0 else replicated, node.stacks)
+      return node.replace(stacks, jax.tree.map(lambda _: replicated, node.rest))
     return replicated
 
-  return jax.tree.map(sharding_of, tree,
-                      is_leaf=lambda x: isinstance(x, ScaleByKFACState))
+  return jax.tree.map(sharding_of, tree, is_leaf=lambda x: isinstance(x, BlockStacks))

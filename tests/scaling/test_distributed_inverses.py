@@ -121,24 +121,21 @@ def test_state_shardings_place_state_once():
   params = model.init(jax.random.key(0), x)["params"]
   tx = kfac_optax.kfac(model.apply, kfac_optax.losses.softmax_cross_entropy(),
                        example_batch=batch, learning_rate=0.1)
-  state = kfac_optax.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  with jax.set_mesh(mesh):  # init under the mesh: the stacks split over it
+    state = kfac_optax.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
-  shardings = kfac_optax.sharding.state_shardings(state, mesh, shard_factors=True)
-  kfac_state = state.opt_state[0]
-  factor_specs = {key: (f.a.spec, f.g.spec) for key, f in
-                  shardings.opt_state[0].factors.items()}
-  # Only the 512x512 output factor (1 MiB) of layers_0 is large enough to split,
-  # but its stack axis has size 1, not a multiple of 8: everything stays whole.
-  assert kfac_state.factors["layers_0"].g.shape == (1, 512, 512)
-  assert factor_specs == {"layers_0": (P(), P()), "layers_2": (P(), P())}
+  shardings = kfac_optax.sharding.state_shardings(state, mesh)
+  factors = state.opt_state[0].factors
+  # Two layers of different shapes: two stacks of one layer each, padded to
+  # one slot per device, split over the devices; the rest replicated.
+  assert [stack.g.shape for stack in factors.stacks] == [(8, 512, 512), (8, 8, 8)]
+  assert factors["layers_0"].g.shape == (1, 512, 512)
+  specs = shardings.opt_state[0]
+  assert {s.spec for s in jax.tree.leaves((specs.factors.stacks, specs.inverses.stacks))
+          } == {P(("data",))}
+  assert specs.count.spec == P() and specs.factors.rest == {}
   assert jax.tree.structure(shardings) == jax.tree.structure(state)
-
-  split = kfac_optax.sharding.state_shardings(
-      {"stacked": kfac_state._replace(factors={"big": jnp.zeros((8, 256, 256))})},
-      mesh, shard_factors=True)
-  assert split["stacked"].factors["big"].spec == P(("data",))
-  assert split["stacked"].inverses["layers_0"].a.spec == P()
 
   @jax.jit
   def step(state, batch, rng):

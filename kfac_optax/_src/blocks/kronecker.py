@@ -223,21 +223,15 @@ class KroneckerBlock:
     if all(isinstance(i, low_rank.LowRankInverse) for i in inverses):
       return self._gradient_leaves(low_rank.sandwich(
           inverses.a, self._gradient_rows(grads, inverses.a.dtype), inverses.g))
-    stacked = self._gradient_matrix(grads, inverses.a.dtype)
-    if self.diagonal_input:  # diag(a) @ V scales V's rows
-      stacked = inverses.a[:, :, None] * stacked
-    else:
-      stacked = low_rank.left_multiply(inverses.a, stacked)
-    stacked = (stacked * inverses.g[:, None, :] if self.diagonal_output
-               else low_rank.right_multiply(stacked, inverses.g))
-    return self._matrix_leaves(stacked)
+    return self.matrix_leaves(sandwich(
+        inverses, self.gradient_matrix(grads, inverses.a.dtype)))
 
-  def _gradient_matrix(self, grads: dict, dtype) -> jax.Array:
+  def gradient_matrix(self, grads: dict, dtype) -> jax.Array:
     """``V = [∇W; ∇b]``, ``(S, in_dim [+ 1], out_dim)``."""
     return jnp.concatenate(self._gradient_rows(grads, dtype), 1)
 
-  def _matrix_leaves(self, matrix: jax.Array) -> dict:
-    """The inverse of `_gradient_matrix`."""
+  def matrix_leaves(self, matrix: jax.Array) -> dict:
+    """The inverse of `gradient_matrix`."""
     return self._gradient_leaves(jnp.split(matrix, [self.layout.in_dim], 1))
 
   def _gradient_rows(self, grads: dict, dtype) -> list[jax.Array]:
@@ -256,3 +250,16 @@ class KroneckerBlock:
     if bias:
       out[bias[0]] = layout.bias_from_matrix(rows[1][:, 0])
     return out
+
+
+def sandwich(inverses: KroneckerFactors, stacked: jax.Array) -> jax.Array:
+  """``A⁻¹ V G⁻¹`` per stack slice: ``stacked`` ``(S, rows, cols)``; a factor
+  kept as its diagonal (a vector per slice) scales rows or columns, one kept
+  at a rank is a `low_rank.LowRankInverse`."""
+  diagonal = lambda x: not isinstance(x, low_rank.LowRankInverse) and x.ndim == 2
+  if diagonal(inverses.a):  # diag(a) @ V scales V's rows
+    stacked = inverses.a[:, :, None] * stacked
+  else:
+    stacked = low_rank.left_multiply(inverses.a, stacked)
+  return (stacked * inverses.g[:, None, :] if diagonal(inverses.g)
+          else low_rank.right_multiply(stacked, inverses.g))

@@ -124,7 +124,7 @@ class SeriesBlock(kronecker.KroneckerBlock):
 
   def precondition(self, inverses: SeriesInverses, grads: dict) -> dict:
     a, g = inverses.a, inverses.g
-    v = self._gradient_matrix(grads, inverses.steps.dtype)
+    v = self.gradient_matrix(grads, inverses.steps.dtype)
     t = lambda m: jnp.swapaxes(m, -1, -2)
     if self.option == "series_option1":
       gamma = _scaled_gamma(a.psi[:, :, None] * g.psi[:, None, :],
@@ -136,7 +136,7 @@ class SeriesBlock(kronecker.KroneckerBlock):
       z = t(a.k) @ z @ g.k / jnp.where(denominator == 0, 1.0, denominator)
       z = a.k @ z @ t(g.k)
       u = z - t(a.p) @ z @ g.p
-    return self._matrix_leaves(u)
+    return self.matrix_leaves(u)
 
 
 def _step_weights(terms: losses.Terms, shape: tuple, num_rows: int) -> jax.Array:

@@ -30,6 +30,8 @@ from kfac_optax._src import linalg
 from kfac_optax._src import losses
 from kfac_optax._src import param_boxes
 from kfac_optax._src import tree_paths
+from kfac_optax._src.blocks import kronecker
+from kfac_optax._src.curvature import block_stacks
 from kfac_optax._src.curvature import canonical_convolutions
 from kfac_optax._src.curvature import model_call
 from kfac_optax._src.curvature import options
@@ -199,10 +201,21 @@ class Curvature(options.CurvatureOptions):
         inverses[key] = linalg.low_rank_identities(
             jax.eval_shape(block.damped, factors[key], jnp.ones([], dtype)),
             inverses[key], self.factor_rank)
+    placement = self._placement()
+    layout = block_stacks.Layout.of(plan.all_blocks(), factors,
+                                    1 if placement is None else placement.num_shards,
+                                    stacked=self.factor_rank is None)
     # Distinct buffers: a state passed with donate_argnums must not alias.
     counters = [jnp.zeros([], jnp.int32) for _ in range(5)]
-    return ScaleByKFACState(*counters[:2], factors, inverses,
+    return ScaleByKFACState(*counters[:2], layout.stack(factors, placement),
+                            layout.stack(inverses, placement),
                             jnp.full([], jnp.nan, dtype), *counters[2:])
+
+  def _placement(self) -> linalg.StackSharding | None:
+    """How the stacks of `block_stacks` are split: over the mesh, each
+    device keeping its share (None on one device)."""
+    sharding = linalg.stack_sharding(self.mesh)
+    return None if sharding is None else dataclasses.replace(sharding, gather=False)
 
   def _batch_statistics(self, plan, params, batch, variables, rng):
     flat_params, treedef = tree_paths.flatten(params)
@@ -243,14 +256,34 @@ class Curvature(options.CurvatureOptions):
 
   def _powers(self, plan, factors, damping, power, method, previous=None,
               rank=None):
-    """Every block's damped factors raised to ``power`` (batched over blocks;
-    ``previous``: the inverses in use, where a method starts from them;
-    ``rank``: see `linalg.invert_all`)."""
-    return linalg.invert_all(
-        {key: block.damped(factors[key], damping)
-         for key, block in plan.all_blocks().items()},
-        method, linalg.stack_sharding(self.mesh), power=power, previous=previous,
-        rank=rank)
+    """Every block's damped factors raised to ``power``: a `BlockStacks`
+    like ``factors``, each stack on the devices that own its slots, the
+    other blocks batched (``previous``: the inverses in use, where a
+    method starts from them; ``rank``: see `linalg.invert_all`)."""
+    all_blocks, placement = plan.all_blocks(), self._placement()
+    rest = linalg.invert_all(
+        {key: all_blocks[key].damped(entry, damping)
+         for key, entry in factors.rest.items()},
+        method, linalg.stack_sharding(self.mesh), power=power,
+        previous=None if previous is None else previous.rest, rank=rank)
+    stacks = []
+    for i, (group, stack) in enumerate(zip(factors.layout.groups, factors.stacks)):
+      requests = block_stacks.kronecker_core(all_blocks[group.keys[0]]).damped(
+          stack, damping)
+      starts = None if previous is None else previous.stacks[i]
+      invert = lambda request, start: linalg.invert_all(
+          request, method, placement, power=power, previous=start)
+      if all(isinstance(r, linalg.Damped) for r in requests) and (
+          requests.a.matrix.shape == requests.g.matrix.shape):
+        # A square layer's two stacks in one, each slot's A and G side by
+        # side so that a device's slots stay its own: half the calls.
+        joint = invert(*(block_stacks.interleave(tree) for tree in (requests, starts)))
+        stacks.append(block_stacks.deinterleave(joint))
+      else:
+        stacks.append(kronecker.KroneckerFactors(*(
+            invert(request, start) for request, start
+            in zip(requests, starts or (None, None)))))
+    return factors.replace(tuple(stacks), rest)
 
   def _refresh_inverses(self, plan, factors, old, damping):
     """New inverses, or all the old ones if the damping or any block failed.
@@ -300,8 +333,9 @@ class Curvature(options.CurvatureOptions):
       rng = jax.random.fold_in(jax.random.key(0), state.count)
 
     def with_new_statistics(carry):
+      stats = batch_statistics(params, batch, variables, rng)
       return fold_in(self.ema_decay, *carry,
-                     batch_statistics(params, batch, variables, rng))
+                     state.factors.layout.stack(stats, self._placement()))
     factors, stats_count, rejected_statistics = on_schedule(
         self.stats_update_period, state.count, with_new_statistics,
         (state.factors, state.stats_count, state.rejected_statistics))
@@ -317,14 +351,30 @@ class Curvature(options.CurvatureOptions):
 
   # -- products -------------------------------------------------------------
 
-  def _apply(self, plan: plans.Plan, matrices: dict, vector: Any) -> Any:
-    """Each block's ``matrices`` applied to its leaves of ``vector``."""
+  def _apply(self, plan: plans.Plan, matrices: block_stacks.BlockStacks,
+             vector: Any) -> Any:
+    """Each block's ``matrices`` applied to its leaves of ``vector``; a
+    stack's blocks on the devices that own their slots (`block_stacks`)."""
     flat, treedef = tree_paths.flatten(vector)
     out = dict(flat)
+    grads = lambda path, block: {n: flat[path + (n,)] for n in block.param_names}
     for key, (path, block) in plan.layers.items():
-      layer = block.precondition(
-          matrices[key], {n: flat[path + (n,)] for n in block.param_names})
-      out.update({path + (n,): leaf for n, leaf in layer.items()})
+      if key in matrices.rest:
+        layer = block.precondition(matrices.rest[key], grads(path, block))
+        out.update({path + (n,): leaf for n, leaf in layer.items()})
+    placement = self._placement()
+    for group, stack in zip(matrices.layout.groups, matrices.stacks):
+      gradients = {key: block_stacks.gradient_matrix(
+          plan.layers[key][1], grads(*plan.layers[key]), stack.a.dtype)
+                   for key in group.keys}
+      products = kronecker.sandwich(
+          stack, block_stacks.stack_group(group, gradients, placement))
+      if placement is not None:
+        products = placement.place(products)
+      for key, product in block_stacks.unstack_group(group, products).items():
+        path, block = plan.layers[key]
+        layer = block_stacks.matrix_leaves(block, product)
+        out.update({path + (n,): leaf for n, leaf in layer.items()})
     if plan.fallback is not None:
       diagonal = plan.fallback.precondition(
           matrices[FALLBACK], {k: flat[p] for k, p in plan.fallback_paths.items()})

@@ -25,6 +25,7 @@ from kfac_optax._src import blocks
 from kfac_optax._src import layouts
 from kfac_optax._src import losses
 from kfac_optax._src import tree_paths
+from kfac_optax._src.curvature import block_stacks
 from kfac_optax._src.curvature import model_call
 from kfac_optax._src.curvature import options
 from kfac_optax._src.curvature import state
@@ -381,7 +382,7 @@ def make(model: model_call.ModelCall, loss: losses.PredictiveLoss,
               {p: layout for p, layout in unowned.items() if p not in calls_in_use})
 
 
-def check_state(plan: Plan, factors: dict) -> None:
+def check_state(plan: Plan, factors: Any) -> None:
   """A state's ``factors`` must be this plan's: the same blocks, fallback
   leaves and shapes (``init`` made them from these params' plan).
 
@@ -389,27 +390,26 @@ def check_state(plan: Plan, factors: dict) -> None:
     ValueError: naming what differs, for a state of another model or params
       that gained or lost leaves since ``init``.
   """
-  expected = jax.eval_shape(lambda: {key: block.init()[0]
-                                     for key, block in plan.all_blocks().items()})
-  shapes = lambda tree: jax.tree.map(jnp.shape, tree)
-  if (jax.tree.structure(factors) == jax.tree.structure(expected)
-      and shapes(factors) == shapes(expected)):
+  expected = block_stacks.shapes(jax.eval_shape(
+      lambda: {key: block.init()[0] for key, block in plan.all_blocks().items()}))
+  got = block_stacks.shapes(factors)
+  if got == expected:
     return
   differences = [f"block {key!r}: missing from the state"
-                 for key in expected if key not in factors]
+                 for key in expected if key not in got]
   differences += [f"block {key!r}: in the state, not in this model"
-                  for key in factors if key not in expected]
-  for key in [key for key in expected if key in factors]:
+                  for key in got if key not in expected]
+  for key in [key for key in expected if key in got]:
     if key == state.FALLBACK:
-      names = set(expected[key]) | set(factors[key])
+      names = set(expected[key]) | set(got[key])
       differences += [f"fallback leaf {name!r}: " + (
-          "missing from the state" if name not in factors[key]
+          "missing from the state" if name not in got[key]
           else "in the state, not in these params")
                       for name in sorted(names)
-                      if (name in factors[key]) != (name in expected[key])]
-    if shapes(factors[key]) != shapes(expected[key]):
-      differences.append(f"block {key!r}: shapes {shapes(factors[key])} in the "
-                         f"state, {shapes(expected[key])} for these params")
+                      if (name in got[key]) != (name in expected[key])]
+    if got[key] != expected[key]:
+      differences.append(f"block {key!r}: shapes {got[key]} in the "
+                         f"state, {expected[key]} for these params")
   differences = differences or ["the structure of its factors"]
   raise ValueError(
       "the K-FAC state does not fit these params: "

@@ -16,7 +16,9 @@ class ScaleByKFACState(NamedTuple):
     factors: block key -> debiased EMA of the block's statistics:
       `blocks.KroneckerFactors` ``(A, G)`` for a layer (key: its module path
       joined by "/"), ``{leaf path: F}`` for the diagonal fallback (key
-      ``"<diagonal>"``).
+      ``"<diagonal>"``); a `block_stacks.BlockStacks`, which holds the
+      Kronecker blocks' factors in stacks split over the mesh and gives
+      each block's by its key.
     inverses: block key -> damped inverses from the last accepted refresh,
       same layout (identities before the first).
     damping: the damping λ of the inverses in use (nan before the first

@@ -3,7 +3,8 @@
 The inverse refresh stacks factors of similar size (`stacked_inverses`);
 `map_over_stack` applies one matrix's computation to every entry of such a
 stack, each device computing its share when a `StackSharding` is given,
-then gathers the results on every device.
+then gathers the results on every device, or leaves each device its share
+(``gather=False``: the stacks of `curvature.block_stacks`, which live split).
 """
 
 import dataclasses
@@ -23,19 +24,38 @@ class StackSharding:
     axes: the mesh axis names the stack axis is split over.
     num_shards: the product of their sizes; stacks are padded to a multiple.
     mesh: a concrete mesh, or ``None`` to use the context mesh (``jax.set_mesh``).
+    gather: whether `map` gathers its results on every device.
   """
 
   axes: tuple[str, ...]
   num_shards: int
   mesh: jax.sharding.Mesh | None = None
+  gather: bool = True
+
+  def _sharding(self, spec: PartitionSpec) -> Any:
+    return spec if self.mesh is None else NamedSharding(self.mesh, spec)
 
   def map(self, f: Callable[..., jax.Array], *stacks: jax.Array) -> jax.Array:
-    """``f`` on each device's ``1/num_shards`` of the stacks, then all-gathered."""
+    """``f`` on each device's ``1/num_shards`` of the stacks, then all-gathered
+    (unless not ``gather``)."""
     spec = PartitionSpec(self.axes)
     local = jax.shard_map(f, mesh=self.mesh, in_specs=spec, out_specs=spec)(*stacks)
-    replicated = (PartitionSpec() if self.mesh is None
-                  else NamedSharding(self.mesh, PartitionSpec()))
-    return jax.lax.with_sharding_constraint(local, replicated)
+    if not self.gather:
+      return local
+    return jax.lax.with_sharding_constraint(local, self._sharding(PartitionSpec()))
+
+  def place(self, tree: Any) -> Any:
+    """Every leaf of ``tree`` split along its leading axis over the mesh
+    (leaves whose leading axis does not divide into ``num_shards`` are left
+    to XLA: a state made for another mesh still runs, unsplit)."""
+    split = self._sharding(PartitionSpec(self.axes))
+    context = jax.sharding.get_abstract_mesh()
+    # Under Explicit axes a sharding is part of the type: moved, not hinted.
+    move = (jax.sharding.reshard if jax.sharding.AxisType.Explicit in context.axis_types
+            else jax.lax.with_sharding_constraint)
+    return jax.tree.map(
+        lambda x: move(x, split)
+        if x.ndim and x.shape[0] % self.num_shards == 0 else x, tree)
 
 
 def stack_sharding(mesh: jax.sharding.Mesh | None) -> StackSharding | None:
