@@ -1,12 +1,16 @@
 """Data-parallel K-FAC on every device of the job, on one host or several.
 
 The global batch is split over a one-axis device mesh ``("data",)`` that
-holds every device of every process; parameters and optimizer state (K-FAC's
-factors and inverses, momentum) are replicated. One jitted step computes the
-gradients and the K-FAC update; XLA all-reduces the gradients and K-FAC's
-factor statistics over the ``data`` axis, so every device ends the step with
-the same new state. The state is donated to the step, so its buffers are
-reused in place.
+holds every device of every process; parameters and momentum are
+replicated, and K-FAC's factors and inverses are spread over the devices,
+each owning whole layers. One jitted step computes the gradients and the
+K-FAC update; XLA all-reduces the gradients and K-FAC's factor statistics
+over the ``data`` axis. The state is donated to the step, so its buffers
+are reused in place.
+
+With ``--model-axis N`` the mesh is ``("data", "model")`` with N devices on
+"model", and the params (with the momentum) are sharded: each kernel's input
+axis over "data" (FSDP), its output axis over "model" (tensor parallel).
 
 Each process loads the same data set, draws the same sequence of global
 batches (same seed), and feeds only its own rows of each one: those that the
@@ -38,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import kfac_optax
@@ -71,6 +76,10 @@ def parse_args(argv=None):
   multi.add_argument("--cpu-devices", type=int, default=None,
                      help="simulate N CPU devices in this process "
                      "(jax_num_cpu_devices)")
+  multi.add_argument("--model-axis", type=int, default=1,
+                     help="devices on a 'model' mesh axis: with N > 1 the "
+                     "params are sharded, FSDP and tensor parallel (needs "
+                     "--axis-type auto)")
   multi.add_argument("--axis-type", default="explicit",
                      choices=["explicit", "auto"],
                      help="type of the mesh's data axis (sharding in types, "
@@ -110,6 +119,10 @@ def parse_args(argv=None):
            (args.coordinator, args.num_processes, args.process_id)]
   if any(given) and not all(given):
     parser.error("--coordinator, --num-processes and --process-id go together")
+  if args.model_axis > 1 and args.axis_type != "auto":
+    # Under Explicit axes the model's own products of sharded params and a
+    # sharded batch would have to name their output shardings.
+    parser.error("--model-axis > 1 needs --axis-type auto")
   if args.steps is None:
     args.steps = QUICK_STEPS if args.quick else 500
   if args.quick:
@@ -131,10 +144,31 @@ def start_jax(args):
                              process_id=args.process_id)
 
 
-def make_mesh(axis_type):
-  """A mesh over every device of the job with one axis, ``"data"``."""
+def make_mesh(axis_type, model_axis=1):
+  """A mesh over every device of the job: one axis, ``"data"``, or
+  ``("data", "model")`` with ``model_axis`` devices on "model"."""
   kind = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}[axis_type]
-  return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(kind,))
+  if model_axis == 1:
+    return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(kind,))
+  return jax.make_mesh((jax.device_count() // model_axis, model_axis),
+                       ("data", "model"), axis_types=(kind,) * 2)
+
+
+def param_shardings(abstract_params, mesh):
+  """Each kernel's input axis over "data" (FSDP) and its output axis (and
+  the bias) over "model" (tensor parallel), where they divide; replicated
+  on a mesh without a "model" axis."""
+  if "model" not in mesh.axis_names:
+    return jax.tree.map(lambda _: NamedSharding(mesh, P()), abstract_params)
+
+  def sharding(leaf):
+    dims = [None] * leaf.ndim
+    if leaf.ndim == 2 and leaf.shape[0] % mesh.shape["data"] == 0:
+      dims[0] = "data"
+    if leaf.shape[-1] % mesh.shape["model"] == 0:
+      dims[-1] = "model"
+    return NamedSharding(mesh, P(*dims))
+  return jax.tree.map(sharding, abstract_params)
 
 
 def state_shardings(abstract_state, mesh):
@@ -143,9 +177,11 @@ def state_shardings(abstract_state, mesh):
   The one place that decides where the state lives: the step's
   ``in_shardings``/``out_shardings`` and the state's creation all use it.
   The Kronecker factors and inverses are split over the devices, each
-  owning whole layers; the rest is replicated.
+  owning whole layers; the params and every part of the state shaped like
+  them (the momentum) by `param_shardings`; the rest is replicated.
   """
-  return kfac_optax.sharding.state_shardings(abstract_state, mesh)
+  return kfac_optax.sharding.state_shardings(
+      abstract_state, mesh, params=param_shardings(abstract_state.params, mesh))
 
 
 def local_rows(sharding, global_size):
@@ -232,8 +268,10 @@ def make_evaluate(apply_fn, loss, batch_sharding):
 
 
 def host_params(params):
-  """Replicated global parameters as a flat ``{"Dense_0/kernel": ndarray}``
-  in float32 (exact for bfloat16 params; .npz has no bfloat16)."""
+  """The global parameters on every process (gathered where sharded), as a
+  flat ``{"Dense_0/kernel": ndarray}`` in float32 (exact for bfloat16
+  params; .npz has no bfloat16)."""
+  params = multihost_utils.process_allgather(params, tiled=True)
   return {key: np.asarray(value, np.float32) for key, value in
           traverse_util.flatten_dict(params, sep="/").items()}
 
@@ -271,7 +309,7 @@ def main(argv=None):
   """
   args = parse_args(argv)
   start_jax(args)
-  mesh = make_mesh(args.axis_type)
+  mesh = make_mesh(args.axis_type, args.model_axis)
   batch_sharding = NamedSharding(mesh, P("data"))
   if args.batch_size % mesh.size:
     raise ValueError(f"--batch-size {args.batch_size} is not a multiple of "

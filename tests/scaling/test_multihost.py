@@ -1,8 +1,8 @@
-"""Multi-host data parallelism: two `jax.distributed` processes, one result.
+"""Multi-host jobs: two `jax.distributed` processes, one result.
 
 Two local processes run `examples/data_parallel.py` with 4 simulated CPU
 devices each (gloo collectives), so the job's mesh has 8 devices over two
-hosts. Each process feeds only its half of every global batch. Both must end
+hosts: data parallel, and FSDP + tensor parallel on a (4, 2) mesh. Each process feeds only its half of every global batch. Both must end
 with the parameters that one process with 8 devices (this test process, see
 `conftest.py`) gets from the same global batches.
 """
@@ -98,9 +98,13 @@ def format_logs(outputs):
 # and moves with any change to the program: measured 8.2e-3 before and 5.9e-2
 # after the capture's backward pass became unbatched (commit 31c1812), whose
 # float32 figures did not change in any digit.
-@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-4), ("bfloat16", 1e-1)])
-def test_two_processes_match_one_process(tmp_path, dtype, tolerance):
-  flags = FLAGS + ["--dtype", dtype]
+# float32 runs FSDP + tensor parallel: a (4, 2) ("data", "model") mesh over
+# both processes, the params and momentum sharded, the factors spread.
+@pytest.mark.parametrize("dtype, tolerance, sharding", [
+    ("float32", 1e-4, ["--model-axis", "2", "--axis-type", "auto"]),
+    ("bfloat16", 1e-1, [])])
+def test_two_processes_match_one_process(tmp_path, dtype, tolerance, sharding):
+  flags = FLAGS + ["--dtype", dtype] + sharding
   port = free_port()
   saved = str(tmp_path / "params_{process}.npz")
   job = Launch([distributed_args(port, i) + flags + ["--save-params", saved]

@@ -216,9 +216,10 @@ def kfac(
     nans = [jnp.full([], _NAN, jnp.float32) for _ in range(5)]
     first_damping = update_args.value_at(damping, checks.zero_count())
     # previous_update keeps the params' boxes (their partitioning), as
-    # optax's own momentum does.
+    # optax's own momentum does, and their sharding: zeros made from the
+    # params (not a constant) let a jitted init place it where they are.
     return KFACState(
-        curvature.init(params), jax.tree.map(jnp.zeros_like, params),
+        curvature.init(params), jax.tree.map(lambda p: p * 0, params),
         jnp.zeros([], jnp.int32), jnp.asarray(first_damping, jnp.float32) + 0.0,
         *nans)
 
