@@ -207,9 +207,10 @@ class Curvature(options.CurvatureOptions):
                                     stacked=self.factor_rank is None)
     # Distinct buffers: a state passed with donate_argnums must not alias.
     counters = [jnp.zeros([], jnp.int32) for _ in range(5)]
+    # Damping 0: no refresh yet (an accepted one has a positive damping).
     return ScaleByKFACState(*counters[:2], layout.stack(factors, placement),
                             layout.stack(inverses, placement),
-                            jnp.full([], jnp.nan, dtype), *counters[2:])
+                            jnp.zeros([], dtype), *counters[2:])
 
   def _placement(self) -> linalg.StackSharding | None:
     """How the stacks of `block_stacks` are split: over the mesh, each

@@ -21,8 +21,8 @@ class ScaleByKFACState(NamedTuple):
       each block's by its key.
     inverses: block key -> damped inverses from the last accepted refresh,
       same layout (identities before the first).
-    damping: the damping λ of the inverses in use (nan before the first
-      accepted refresh).
+    damping: the damping λ of the inverses in use (0 before the first
+      accepted refresh, which needs a positive one).
     rejected_statistics: statistics updates whose batch statistics were not
       finite, so the factors kept their previous values.
     rejected_refreshes: inverse refreshes that kept every previous inverse,

@@ -28,7 +28,7 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
   wrapper or TrainState around it), else the first `ScaleByKFACState`:
 
   - ``damping``: the damping of the inverses in use, from the last accepted
-    refresh (``λ + l2_reg`` for `kfac`; nan before the first refresh);
+    refresh (``λ + l2_reg`` for `kfac`; 0 before the first refresh);
   - ``rejected_statistics``, ``rejected_refreshes``, ``rescaled_updates``:
     the counters of `ScaleByKFACState`;
   - ``requested_damping``, ``learning_rate``, ``momentum``, ``rho``,

@@ -25,7 +25,6 @@ from kfac_optax._src.optimizer import scale_by_kfac
 from kfac_optax._src.optimizer import update_args
 from kfac_optax._src.optimizer.kfac_step import KFACState
 
-_NAN = float("nan")
 _OPTIONS = options.DEFAULTS
 # Chosen from the stability suite (benchmarks/STABILITY.md): with a given
 # learning rate, "auto" means momentum 0.9 and a norm constraint (KL clipping)
@@ -213,7 +212,8 @@ def kfac(
 
   def init_fn(params):
     # Distinct buffers: a state passed with donate_argnums must not alias.
-    nans = [jnp.full([], _NAN, jnp.float32) for _ in range(5)]
+    # Zeros until measured: a finite state holds only finite numbers.
+    unmeasured = [jnp.zeros([], jnp.float32) for _ in range(5)]
     first_damping = update_args.value_at(damping, checks.zero_count())
     # previous_update keeps the params' boxes (their partitioning), as
     # optax's own momentum does, and their sharding: zeros made from the
@@ -221,7 +221,7 @@ def kfac(
     return KFACState(
         curvature.init(params), jax.tree.map(lambda p: p * 0, params),
         jnp.zeros([], jnp.int32), jnp.asarray(first_damping, jnp.float32) + 0.0,
-        *nans)
+        *unmeasured)
 
   def update_fn(grads, state, params=None, *, batch=None, rng=None,
                 variables=None, **extra_args):

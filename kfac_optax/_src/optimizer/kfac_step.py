@@ -42,12 +42,17 @@ class KFACState(NamedTuple):
     damping: λ, adapted in place with ``adaptive_damping``.
     learning_rate, momentum: the last step's ``-α`` and ``μ`` in
       ``δ = α v + μ δ_prev`` (v the preconditioned gradient).
-    rho: the last measured reduction ratio (nan before the first).
+    rho: the last measured reduction ratio (0 before the first, and always
+      without ``adaptive_damping``; nan for a step that the model did not
+      predict to decrease the loss, a failed step).
     qmodel_change: the damped quadratic model's predicted change of the
-      loss for the last step where it was computed (nan before); ``rho``
-      divides the measured change by the undamped model's.
+      loss for the last step where it was computed (0 before, and always
+      with a fixed learning rate and momentum); ``rho`` divides the
+      measured change by the undamped model's.
     fisher_norm: the last step's approximate squared Fisher norm of its
       gradient part, ``α² vᵀ F̂ v = α² vᵀ g``.
+
+  Every field is 0 before the first update.
   """
   curvature: ScaleByKFACState
   previous_update: Any
