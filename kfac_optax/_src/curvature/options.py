@@ -100,11 +100,13 @@ class CurvatureOptions:
       ``{"lm_head": "transformer/wte"}``): its statistics join the
       embedding's block as a tied ``attend`` use. Such a call has no params
       of its own; undeclared, it gets no block and ``init`` warns, naming it.
-    mesh: devices to spread the inverse refresh over. Factor matrices of
-      similar size are stacked (`linalg.stacked_inverses.invert_all`) and
-      each stack is split over all mesh axes, so each of N devices inverts
-      about 1/N of them, then the inverses are all-gathered. Default: the
-      context mesh (``jax.set_mesh``) if any, else no distribution.
+    mesh: devices to spread K-FAC's factors over. ``init`` stacks the
+      Kronecker blocks' factors of one shape and splits the stacks over all
+      mesh axes, so each of N devices keeps, inverts and applies about 1/N
+      of them (`curvature.block_stacks`); the other blocks' refresh is
+      stacked by similar size (`linalg.stacked_inverses.invert_all`), split
+      the same way and all-gathered. Default: the context mesh
+      (``jax.set_mesh``) if any, else no distribution.
     max_factor_dim: a dense or conv layer's factor larger than this (input:
       ``in_dim + 1`` with a bias, conv ``kh·kw·c_in [+ 1]``; output:
       ``out_dim``) is kept diagonal (``diag(A) ⊗ G`` or ``A ⊗ diag(G)``, see
