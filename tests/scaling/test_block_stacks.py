@@ -2,11 +2,13 @@
 
 A jitted ``init`` and step, given no shardings for the state, split every
 stack of factors and inverses over all the devices of a ("data", "model")
-mesh; the updates equal one device's; a checkpoint written on one mesh
-continues on another.
+mesh; the updates equal one device's (linen with logical partitioning, NNX
+with its partitioning metadata); a checkpoint written on one mesh continues
+on another.
 """
 
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -160,3 +162,51 @@ def test_checkpoint_continues_on_another_mesh(restored_on, two_by_four_run,
       np.asarray, nn.meta.unbox(one_device_run[2][2]))) < 1e-5
   stacks = state[0].factors.stacks
   assert {x.sharding.spec for x in jax.tree.leaves(stacks)} == {P(("data", "model"))}
+
+
+class PartitionedMLP(nnx.Module):
+  """Kernels sharded by NNX's partitioning metadata: FSDP + tensor parallel."""
+
+  def __init__(self, rngs):
+    split = lambda *names: nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
+    self.first = nnx.Linear(16, 32, kernel_init=split("data", "model"), rngs=rngs)
+    self.last = nnx.Linear(32, 8, kernel_init=split("model", None), rngs=rngs)
+
+  def __call__(self, x):
+    return self.last(jnp.tanh(self.first(x)))
+
+
+def nnx_run(mesh):
+  """Three steps of `nnx.Optimizer` with kfac on ``mesh``: (params, opt)
+  (the params as placed, not copied to the host)."""
+  x = jax.random.normal(jax.random.key(0), (32, 16))
+  loss = kfac_optax.losses.softmax_cross_entropy()
+  with jax.set_mesh(mesh):
+    model = PartitionedMLP(nnx.Rngs(0))
+    state = nnx.state(model)
+    nnx.update(model, jax.device_put(state, jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec), nnx.get_partition_spec(state))))
+    batch = jax.device_put((x, jnp.arange(32) % 8), NamedSharding(mesh, P("data")))
+    opt = nnx.Optimizer(model, kfac_optax.kfac(
+        model, loss, example_batch=batch, learning_rate=0.05,
+        inverse_update_period=1), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, key):
+      grads = nnx.grad(lambda m: loss.value(m(batch[0]), batch))(model)
+      opt.update(model, grads, batch=batch, rng=key)
+    for i in range(3):
+      step(model, opt, jax.random.key(i))
+  return nnx.state(model, nnx.Param), opt
+
+
+def test_nnx_optimizer_fsdp_tensor_parallel_equals_one_device():
+  expected, _ = nnx_run(mesh_of((1, 1)))
+  actual, opt = nnx_run(mesh_of((2, 4)))
+  assert bf.relative_error(jax.tree.map(np.asarray, actual),
+                           jax.tree.map(np.asarray, expected)) < 1e-5
+  stacks = opt.opt_state.curvature.factors.stacks
+  assert {x.sharding.spec for x in jax.tree.leaves(stacks)} == {P(("data", "model"))}
+  specs = lambda tree: [x.sharding.spec for x in jax.tree.leaves(tree)]
+  assert specs(opt.opt_state.previous_update) == specs(actual) == [
+      P("model"), P("data", "model"), P(), P("model")]
