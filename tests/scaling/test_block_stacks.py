@@ -18,22 +18,12 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import kfac_optax
-from examples import models
+from benchmarks import sharded_state
 from tests import brute_force as bf
 from tests.scaling.test_distributed_inverses import SixteenFactorMLP
 
 CONFIG = dict(vocab=64, width=32, depth=1, heads=4, kv_heads=2, mlp=64)
-RULES = models.FSDP_TP_RULES
-
-
-def per_device_bytes(tree, shardings) -> int:
-  """The largest per-device share of ``tree``'s arrays under ``shardings``."""
-  totals = {}
-  for leaf, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
-    for device in sharding.device_set:
-      totals[device] = totals.get(device, 0) + (
-          int(np.prod(sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize)
-  return max(totals.values())
+per_device_bytes = sharded_state.per_device_bytes
 
 
 def mesh_of(shape):
@@ -69,18 +59,14 @@ def test_eight_equal_blocks_take_an_eighth_each():
 
 
 def sharded_lm(mesh):
-  """The example's decoder LM, params boxed by Flax's logical partitioning
-  and placed by FSDP + tensor-parallel rules on ``mesh``; a batch over "data"."""
-  model = models.DecoderLM(**CONFIG)
-  ids = jax.random.randint(jax.random.key(1), (8, 17), 0, CONFIG["vocab"])
-  abstract = jax.eval_shape(model.init, jax.random.key(0), ids[:, :-1])["params"]
-  shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, RULES)
-  params = jax.jit(lambda key: model.init(key, ids[:, :-1])["params"],
-                   out_shardings=shardings)(jax.random.key(0))
-  batch = jax.device_put((ids[:, :-1], ids[:, 1:]), NamedSharding(mesh, P("data")))
-  tx = kfac_optax.kfac(model.apply, kfac_optax.losses.softmax_cross_entropy(),
-                       example_batch=batch, learning_rate=1e-2, damping=1e-2,
-                       inverse_update_period=1)  # no cond: a smaller program
+  """The benchmark's decoder LM on ``mesh``: params boxed by Flax's logical
+  partitioning and placed by FSDP + tensor-parallel rules, a batch over
+  "data" (`sharded_state.setting_up`); kfac refreshing every step (no
+  cond: a smaller program)."""
+  model, loss, params, batch, _ = sharded_state.setting_up(
+      CONFIG, tuple(mesh.devices.shape), batch_size=8, sequence=16)
+  tx = kfac_optax.kfac(model.apply, loss, example_batch=batch, learning_rate=1e-2,
+                       damping=1e-2, inverse_update_period=1)
   return model, params, batch, tx
 
 

@@ -86,6 +86,11 @@ class Group:
   slots: int
   tails: tuple[tuple[int, ...], tuple[int, ...]]
 
+  @property
+  def used(self) -> int:
+    """The slots its blocks fill (the rest, up to ``slots``, are padding)."""
+    return sum(math.prod(lead) for lead in self.leads)
+
   def offsets(self) -> Iterator[tuple[str, int, tuple[int, ...]]]:
     """``(key, first slot, leading axes)`` of each block."""
     offset = 0
@@ -123,10 +128,9 @@ class Layout:
       shapes.setdefault((tails, a.dtype), []).append((key, lead))
     groups = []
     for (tails, _), members in shapes.items():
-      count = sum(math.prod(lead) for _, lead in members)
-      groups.append(Group(tuple(k for k, _ in members),
-                          tuple(lead for _, lead in members),
-                          -(-count // devices) * devices, tails))
+      keys, leads = zip(*members)
+      used = sum(math.prod(lead) for lead in leads)
+      groups.append(Group(keys, leads, -(-used // devices) * devices, tails))
     return cls(tuple(all_blocks), tuple(groups))
 
   def stacked_keys(self) -> set[str]:
@@ -149,9 +153,8 @@ def stack_group(group: Group, per_block: Mapping[str, Any],
   in the padding slots, split over the mesh by ``placement``."""
   parts = [jax.tree.map(lambda x, lead=lead: x.reshape(math.prod(lead), *x.shape[len(lead):]),
                         per_block[key]) for key, _, lead in group.offsets()]
-  used = sum(math.prod(lead) for lead in group.leads)
   stack = jax.tree.map(lambda *x: jnp.concatenate(
-      [*x, jnp.zeros((group.slots - used, *x[0].shape[1:]), x[0].dtype)]), *parts)
+      [*x, jnp.zeros((group.slots - group.used, *x[0].shape[1:]), x[0].dtype)]), *parts)
   return stack if placement is None else placement.place(stack)
 
 
