@@ -154,8 +154,12 @@ class Categorical(PredictiveLoss):
     return tuple(outputs_shape[:-1])
 
   def nll(self, outputs, targets):
-    return optax.softmax_cross_entropy_with_integer_labels(
-        precision.at_least_float32(outputs), targets)
+    # The label's log-probability picked by a mask, not a gather: under
+    # Explicit mesh axes a gather from vocabulary-sharded logits needs its
+    # output sharding named; a masked sum over the classes does not.
+    log_p = jax.nn.log_softmax(precision.at_least_float32(outputs))
+    label = jnp.arange(log_p.shape[-1]) == jnp.asarray(targets)[..., None]
+    return -jnp.sum(jnp.where(label, log_p, 0.0), axis=-1)
 
   def sample(self, rng, outputs):
     return jax.random.categorical(rng, precision.at_least_float32(outputs))

@@ -76,9 +76,14 @@ def test_low_precision_params_get_float32_curvature(dtype):
 
 
 def test_low_precision_sharded_matches_one_device():
-  """bfloat16 under an 8-device mesh (batch split, inverses distributed)."""
+  """bfloat16 under an 8-device mesh (batch split, inverses distributed).
+
+  Auto axes: under Explicit ones the model runs as in the user's step, where
+  XLA fuses, and so rounds, its bfloat16 otherwise than on one device, and
+  this test's ill-conditioned inverses (damping 1e-3) magnify that rounding.
+  """
   _, _, expected, reference = _update(jnp.bfloat16)
-  mesh = jax.make_mesh((8,), ("data",))
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   _, _, updates, state = _update(jnp.bfloat16, mesh)
   assert all(u.dtype == jnp.bfloat16 for u in jax.tree.leaves(updates))
   # Only the order of float32 reductions over the batch differs.

@@ -10,6 +10,8 @@
 - `summary`: what `describe` shows, and ``init``'s warnings.
 - `canonical_convolutions`: the capture pass's convolutions in XLA:CPU's
   fast layout.
+- `explicit_axes`: the update under Explicit mesh axes, K-FAC's math on
+  Auto axes and the model's passes on the user's Explicit ones.
 
 Curvature knows nothing of which Flax API the model is written in (that is
 `models`) nor of how blocks invert their factors (`blocks`, `linalg`).

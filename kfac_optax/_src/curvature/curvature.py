@@ -33,6 +33,7 @@ from kfac_optax._src import tree_paths
 from kfac_optax._src.blocks import kronecker
 from kfac_optax._src.curvature import block_stacks
 from kfac_optax._src.curvature import canonical_convolutions
+from kfac_optax._src.curvature import explicit_axes
 from kfac_optax._src.curvature import model_call
 from kfac_optax._src.curvature import options
 from kfac_optax._src.curvature import plan as plans
@@ -170,7 +171,8 @@ class Curvature(options.CurvatureOptions):
   def describe(self, params: Any) -> summary.Summary:
     """The block of every module of the model (see `kfac_optax.describe`)."""
     params = param_boxes.values(params)
-    return self._summary(self._example_plan(params), params)
+    with explicit_axes.params_mesh(params):
+      return self._summary(self._example_plan(params), params)
 
   def _summary(self, plan: plans.Plan, params: Any) -> summary.Summary:
     flat_params, _ = tree_paths.flatten(params)
@@ -218,7 +220,9 @@ class Curvature(options.CurvatureOptions):
     sharding = linalg.stack_sharding(self.mesh)
     return None if sharding is None else dataclasses.replace(sharding, gather=False)
 
-  def _batch_statistics(self, plan, params, batch, variables, rng):
+  def _capture(self, plan, params, batch, variables, rng):
+    """`capture.capture` of the model on ``batch``: its layers' inputs and
+    output gradients, and the fallback params' gradients."""
     flat_params, treedef = tree_paths.flatten(params)
     sample_key, model_key = jax.random.split(rng)
     run = front_end.hooked_apply(self.apply_fn, self.model.args(batch),
@@ -233,13 +237,17 @@ class Curvature(options.CurvatureOptions):
       # No captured layer (every param in the fallback): no kfac_inputs.
       return self.model.output(outputs), collections.get(capture.INPUTS, {})
 
-    captured = capture.capture(
+    return capture.capture(
         model,
         {k: flat_params[path] for k, path in plan.fallback_paths.items()},
-        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), plan.perturbations),
+        capture.zeros(plan.perturbations),
         lambda outputs: losses.output_cotangents(
             self.loss, outputs, batch, self.estimation, sample_key,
             self.num_samples))
+
+  def _batch_statistics(self, plan, params, batch, variables, rng):
+    captured = explicit_axes.in_model_axes(
+        functools.partial(self._capture, plan), params, batch, variables, rng)
     terms = self.loss.terms(captured.outputs, batch)
     stats = {}
     for key, (path, block) in plan.layers.items():

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import jax
 
 from kfac_optax._src import losses
+from kfac_optax._src.curvature import explicit_axes
 
 
 def model_rngs(rng: jax.Array) -> dict[str, jax.Array]:
@@ -141,10 +142,11 @@ class ModelCall:
               rng: jax.Array | None = None) -> Any:
     """The model output on ``batch``, selected by ``outputs=`` (other
     collections' changes discarded)."""
-    variables = dict(variables or {})
-    out = self.apply_fn({"params": params, **variables}, *self.args(batch),
-                        mutable=list(variables) or False, **self.call_kwargs(rng))
-    return self.output(out[0] if variables else out)
+    def run(params, batch, variables, rng):
+      out = self.apply_fn({"params": params, **variables}, *self.args(batch),
+                          mutable=list(variables) or False, **self.call_kwargs(rng))
+      return self.output(out[0] if variables else out)
+    return explicit_axes.in_model_axes(run, params, batch, dict(variables or {}), rng)
 
   def check_signature(self, variables: Any, args: tuple,
                       call_kwargs: dict[str, Any]) -> None:

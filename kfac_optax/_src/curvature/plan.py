@@ -26,6 +26,7 @@ from kfac_optax._src import layouts
 from kfac_optax._src import losses
 from kfac_optax._src import tree_paths
 from kfac_optax._src.curvature import block_stacks
+from kfac_optax._src.curvature import explicit_axes
 from kfac_optax._src.curvature import model_call
 from kfac_optax._src.curvature import options
 from kfac_optax._src.curvature import state
@@ -264,32 +265,45 @@ def discover(model: model_call.ModelCall, loss: losses.PredictiveLoss, params: A
   has no other collections for) lets flax create every collection but
   params.
   """
-  args = model.args(batch, what)
   call_kwargs = model.call_kwargs(None)
   if mutable is True:
     # flax creates the other collections, some from the 'params' key
     # (SpectralNorm's power-iteration vector); params stay read-only, so a
     # missing param is still flax's error that names it.
     mutable = flax.core.DenyList("params")
-  variables = {"params": params, **variables}
-  model.check_signature(variables, args, call_kwargs)
+  model.check_signature({"params": params, **variables}, model.args(batch, what),
+                        call_kwargs)
+  found = []
+
+  def run(params, batch, variables, _):
+    found.append(front_end.discover(
+        model.apply_fn, {"params": params, **variables}, model.args(batch, what),
+        model.call_kwargs(None), mutable))
+    # outputs=, the loss's targets (shapes, dtype) and mask checked on this batch
+    jax.eval_shape(lambda out: loss.value(model.output(out), batch),
+                   found[0].outputs)
   try:
-    discovered = front_end.discover(model.apply_fn, variables, args, call_kwargs,
-                                    mutable)
+    _abstractly(run, params, batch, variables)
   except capture.ModelError:
     raise  # a front-end's own check names cause and fix
   except Exception as error:  # re-raised with the fix named
-    raise _discovery_error(model, error, params, variables, args, call_kwargs,
-                           mutable, what) from error
-  # outputs=, the loss's targets (shapes, dtype) and mask checked on this batch
-  jax.eval_shape(lambda out, b: loss.value(model.output(out), b),
-                 discovered.outputs, batch)  # batch: arrays or shape structs
-  return discovered
+    if found:  # the model ran: outputs= or the loss's targets, named there
+      raise
+    raise _discovery_error(model, error, params, variables, batch, mutable,
+                           what) from error
+  return found[0]
+
+
+def _abstractly(fn: Any, params: Any, batch: Any, variables: dict) -> None:
+  """``fn(params, batch, variables, None)`` traced (no FLOPs) as a pass of
+  the model (`explicit_axes.in_model_axes`); batch: arrays or shape structs."""
+  jax.eval_shape(lambda p, b, v: explicit_axes.in_model_axes(fn, p, b, v, None),
+                 params, batch, variables)
 
 
 def _discovery_error(model: model_call.ModelCall, error: Exception, params: Any,
-                     variables: dict, args: tuple, call_kwargs: dict,
-                     mutable: Any, what: str) -> Exception:
+                     variables: dict, batch: Any, mutable: Any,
+                     what: str) -> Exception:
   """The error that names why discovery failed with ``error``."""
   if isinstance(params, Mapping) and "params" in params:
     return ValueError(
@@ -305,9 +319,17 @@ def _discovery_error(model: model_call.ModelCall, error: Exception, params: Any,
         "x)['params']), unchanged in structure and shapes; if they are, "
         f"{what}'s inputs have other shapes than the inputs the params "
         "were initialised with.")
+  if type(error).__name__ == "ShardingTypeError":  # jax's, not public
+    return ValueError(
+        f"apply_fn cannot run on {what} under the mesh's Explicit axes, "
+        f"where K-FAC runs it as your own step does: {error}\nFix: name the "
+        "sharding JAX asks for in the model (out_sharding=, "
+        "jax.sharding.reshard), or make the mesh axes Auto "
+        "(jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto, ...))).")
   try:
-    jax.eval_shape(lambda v, a: model.apply_fn(
-        v, *a, mutable=mutable, **call_kwargs), variables, args)
+    _abstractly(lambda p, b, v, _: model.apply_fn(
+        {"params": p, **v}, *model.args(b, what), mutable=mutable,
+        **model.call_kwargs(None)), params, batch, variables)
   except Exception:  # the model fails on its own: the batch's structure
     return ValueError(
         f"scale_by_kfac could not run apply_fn on {what}: "

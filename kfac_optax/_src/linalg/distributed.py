@@ -64,7 +64,7 @@ def stack_sharding(mesh: jax.sharding.Mesh | None) -> StackSharding | None:
   Returns ``None`` (no distribution) without a mesh or on a single device.
   Inside a context mesh `StackSharding.map` uses it (as an abstract mesh),
   which also holds under `jax.sharding.auto_axes` (see
-  `optimizer.explicit_axes`).
+  `curvature.explicit_axes`).
   """
   context = jax.sharding.get_abstract_mesh()
   if not context.empty:

@@ -171,6 +171,19 @@ class Captured(NamedTuple):
   other_methods: dict[str, tuple[dict, dict]]
 
 
+def zeros(perturbations: Any) -> Any:
+  """The zero ``kfac_perturbations`` for their abstract shapes: each with
+  its layer output's sharding where Explicit mesh axes typed it, so that the
+  output gradients keep that sharding too."""
+  def zero(shape):
+    spec = getattr(shape.sharding, "spec", None)
+    explicit = spec is not None and jax.sharding.AxisType.Explicit in (
+        jax.sharding.get_abstract_mesh().axis_types)
+    return jax.numpy.zeros(shape.shape, shape.dtype,
+                           out_sharding=spec if explicit else None)
+  return jax.tree.map(zero, perturbations)
+
+
 def capture(
     model: Callable[[Any, Any], tuple[Any, Any]],
     primals: Any,

@@ -6,6 +6,5 @@
 - `adaptive`: the quadratic model's coefficients, the Levenberg-Marquardt
   rule, the norm constraint.
 - `update_args`: checks of what ``update`` is given.
-- `explicit_axes`: K-FAC's pass with Explicit mesh axes made Auto.
 - `inspection`: `stats` and `describe`.
 """

@@ -13,10 +13,10 @@ import optax
 from kfac_optax._src import checks
 from kfac_optax._src import losses
 from kfac_optax._src import param_boxes
+from kfac_optax._src.curvature import explicit_axes
 from kfac_optax._src.curvature import options
 from kfac_optax._src.curvature.curvature import Curvature
 from kfac_optax._src.curvature.state import ScaleByKFACState
-from kfac_optax._src.optimizer import explicit_axes
 from kfac_optax._src.optimizer import update_args
 
 DEFAULT_DAMPING = 1e-2

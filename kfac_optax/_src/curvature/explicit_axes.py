@@ -1,0 +1,156 @@
+"""K-FAC's update under Explicit mesh axes: its own math on Auto axes, the
+model on the user's.
+
+Under Explicit mesh axes (``jax.make_mesh``'s default) every contraction
+over a sharded axis must name its output's sharding; K-FAC's statistics
+contract the batch axis, its products the params' axes. So its update runs
+with those axes made Auto (`update_with_auto_axes`): XLA propagates the
+shardings and all-reduces the statistics as under Auto axes, and the
+updates and the state keep their shardings.
+
+The model itself runs as in the user's step (`in_model_axes`): with the
+axes Explicit again and its params, batch and other collections typed by
+the shardings they came with, so a model that names shardings itself
+(``out_sharding=``, ``jax.sharding.reshard``) runs in K-FAC's passes too.
+"""
+
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator, NamedTuple
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+
+class ModelAxes(NamedTuple):
+  """The user's Explicit axes, made Auto for K-FAC's update, and the
+  PartitionSpecs the model's arguments had under them."""
+  mesh: jax.sharding.AbstractMesh
+  axes: tuple[str, ...]
+  params: Any
+  batch: Any
+  variables: Any
+
+
+_MODEL_AXES: contextvars.ContextVar[ModelAxes | None] = contextvars.ContextVar(
+    "kfac_optax_model_axes", default=None)
+
+
+def _explicit_mesh(trees: Any) -> jax.sharding.AbstractMesh | None:
+  """The mesh whose Explicit axes (``jax.make_mesh``'s default) type the
+  step: the context mesh (``jax.set_mesh``), else that of an argument's
+  sharding (arrays placed on such a mesh outside any context); None if none."""
+  meshes = [jax.sharding.get_abstract_mesh()] + [
+      jax.typeof(leaf).sharding.mesh for leaf in jax.tree.leaves(trees)
+      if isinstance(leaf, jax.Array)]
+  return next((mesh for mesh in meshes if not mesh.empty and any(
+      kind == jax.sharding.AxisType.Explicit for kind in mesh.axis_types)), None)
+
+
+def _array_settings(settings: dict[str, Any]) -> dict[str, Any]:
+  """The settings given as arrays (or trees of them, e.g. a jax.Array
+  ``example_batch``): `optax.inject_hyperparams` passes its values so."""
+  found = {}
+  for name, value in settings.items():
+    leaves = jax.tree.leaves(value) if name not in ("apply_fn", "loss", "mesh") else []
+    if leaves and all(isinstance(leaf, jax.Array) for leaf in leaves):
+      found[name] = value
+  return found
+
+
+def _specs(tree: Any) -> Any:
+  """Each array's PartitionSpec (P() for one that has none, e.g. numpy)."""
+  def spec(leaf):
+    sharding = getattr(jax.typeof(leaf), "sharding", None) if isinstance(
+        leaf, jax.Array) else getattr(leaf, "sharding", None)
+    return getattr(sharding, "spec", P())
+  return jax.tree.map(spec, tree)
+
+
+def update_with_auto_axes(make: Callable[..., Any], settings: dict[str, Any],
+                          direct: Callable[..., Any], grads: Any, state: Any,
+                          params: Any, batch: Any, variables: dict, rng: Any):
+  """``direct(grads, state, params, batch, variables, rng)``, K-FAC's update,
+  with any Explicit mesh axes made Auto.
+
+  With Explicit axes the transformation is rebuilt there,
+  ``make(**settings)``, with the settings given as arrays as arguments, so
+  they are made Auto too (closed over, an array typed by Explicit axes could
+  not meet the Auto ones); inside, no axis is Explicit and its update runs
+  ``direct``, its model passes under the axes and shardings of the
+  arguments here (`in_model_axes`).
+  """
+  mesh = _explicit_mesh((grads, state, params, batch, variables, rng))
+  if mesh is None:
+    return direct(grads, state, params, batch, variables, rng)
+  explicit = tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+                   if kind == jax.sharding.AxisType.Explicit)
+  model_axes = ModelAxes(mesh, explicit, _specs(params), _specs(batch),
+                         _specs(variables))
+
+  def update(grads, state, params, batch, variables, rng, arrays):
+    return make(**{**settings, **arrays}).update(
+        grads, state, params, batch=batch, variables=variables, rng=rng)
+  out_sharding = _specs((grads, state))
+  with jax.sharding.use_abstract_mesh(mesh), _model_axes(model_axes):
+    return jax.sharding.auto_axes(update, axes=explicit, out_sharding=out_sharding)(
+        grads, state, params, batch, variables, rng, _array_settings(settings))
+
+
+@contextlib.contextmanager
+def _model_axes(found: ModelAxes) -> Iterator[None]:
+  token = _MODEL_AXES.set(found)
+  try:
+    yield
+  finally:
+    _MODEL_AXES.reset(token)
+
+
+def _fitting(spec: P, shape: tuple[int, ...], mesh: jax.sharding.AbstractMesh) -> P:
+  """``spec`` without the axes that do not divide their dimension (e.g. a
+  batch sliced to ``curvature_batch_size``)."""
+  def fits(names, size):
+    names = names if isinstance(names, tuple) else (names,)
+    count = 1
+    for name in names:
+      count *= mesh.shape[name]
+    return size % count == 0
+  return P(*(names if names is None or fits(names, size) else None
+             for names, size in zip(spec, shape)))
+
+
+def in_model_axes(fn: Callable[..., Any], params: Any, batch: Any,
+                  variables: Any, keys: Any) -> Any:
+  """``fn(params, batch, variables, keys)``: a pass of the model, under the
+  user's Explicit axes where `update_with_auto_axes` made them Auto.
+
+  There params and variables get the shardings they came with; a batch of
+  the update batch's structure gets that batch's (another, e.g.
+  ``example_batch``, those its arrays have, else replicated); keys are
+  replicated. Elsewhere ``fn`` runs as it is.
+  """
+  found = _MODEL_AXES.get()
+  if found is None:
+    return fn(params, batch, variables, keys)
+  same = jax.tree.structure(batch) == jax.tree.structure(found.batch)
+  specs = (found.params, found.batch if same else _specs(batch), found.variables)
+  shaped = jax.tree.map(
+      lambda spec, leaf: _fitting(spec, jax.numpy.shape(leaf), found.mesh),
+      specs, (params, batch, variables), is_leaf=lambda x: isinstance(x, P))
+  in_sharding = (*shaped, jax.tree.map(lambda _: P(), keys))
+  return jax.sharding.explicit_axes(fn, axes=found.axes, in_sharding=in_sharding)(
+      params, batch, variables, keys)
+
+
+def params_mesh(params: Any) -> contextlib.AbstractContextManager:
+  """The mesh of params placed with Explicit axes, set (``jax.set_mesh``)
+  for a pass made outside any mesh context: a model whose layers name
+  shardings (``out_sharding=``) runs only under its mesh."""
+  if not jax.sharding.get_abstract_mesh().empty:
+    return contextlib.nullcontext()
+  meshes = [leaf.sharding.mesh for leaf in jax.tree.leaves(params)
+            if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding)]
+  explicit = [mesh for mesh in meshes
+              if jax.sharding.AxisType.Explicit in mesh.axis_types]
+  return jax.set_mesh(explicit[0]) if explicit else contextlib.nullcontext()
+
