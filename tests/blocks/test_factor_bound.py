@@ -92,7 +92,10 @@ def test_dense_diagonal_factors_match_brute_force(inverse, sharded):
 
 
 def test_max_factor_dim_picks_the_diagonal_factors():
-  """TinyMLP: hidden 5+1 → 4, nobias 4 → 3, out 3+1 → 3; bound 3 and 4."""
+  """TinyMLP: hidden 5+1 → 4, nobias 4 → 3, out 3+1 → 3; bound 3 and 4.
+
+  The bound is on the layer's widths: a bias's extra row of A does not count
+  (out's A is 4×4 under the bound 3)."""
   params, batch = bf.tiny_problem()
   shapes = {}
   for bound in (3, 4, None):
@@ -102,10 +105,23 @@ def test_max_factor_dim_picks_the_diagonal_factors():
     shapes[bound] = {name: (factors[name].a.shape, factors[name].g.shape)
                      for name in bf.LAYERS}
   assert shapes[3] == {"hidden": ((1, 6), (1, 4)), "nobias": ((1, 4), (1, 3, 3)),
-                       "out": ((1, 4), (1, 3, 3))}
+                       "out": ((1, 4, 4), (1, 3, 3))}
   assert shapes[4] == {"hidden": ((1, 6), (1, 4, 4)), "nobias": ((1, 4, 4), (1, 3, 3)),
                        "out": ((1, 4, 4), (1, 3, 3))}
   assert shapes[None]["hidden"] == ((1, 6, 6), (1, 4, 4))
+
+
+def test_a_layer_fed_by_a_4096_wide_one_keeps_its_input_factor():
+  """VGG's fc8 under the default bound: 4096 inputs and a bias make a 4097²
+  input factor, kept whole; 4097 inputs make it diagonal (shapes only)."""
+  shapes = {}
+  for width in (4096, 4097):
+    x = jax.ShapeDtypeStruct((2, width), jnp.float32)
+    params = jax.eval_shape(nn.Dense(10).init, jax.random.key(0), x)["params"]
+    tx = kfac_optax.scale_by_kfac(nn.Dense(10).apply, LOSS,
+                                  example_batch=(x, jnp.zeros((2,), jnp.int32)))
+    shapes[width] = jax.eval_shape(tx.init, params).factors[""].a.shape
+  assert shapes == {4096: (1, 4097, 4097), 4097: (1, 4098)}
 
 
 def test_kron_override_ignores_the_bound():
@@ -206,7 +222,7 @@ def test_max_factor_dim_must_be_a_positive_int(value):
 
 
 def test_scanned_stack_with_diagonal_factors_matches_unrolled_layers():
-  """nn.scan: each layer's diag(A) ⊗ G block equals its unrolled twin's."""
+  """nn.scan: each layer's diag(A) ⊗ diag(G) block equals its unrolled twin's."""
   x = jax.random.normal(jax.random.key(0), (6, 2))
   y = jnp.arange(6) % 3
   params = test_lifted.scanned_net(test_lifted.THREADED).init(jax.random.key(1), x)["params"]
@@ -218,11 +234,11 @@ def test_scanned_stack_with_diagonal_factors_matches_unrolled_layers():
   def run(net, p, g):
     tx = kfac_optax.scale_by_kfac(net.apply, LOSS, example_batch=(x, y),
                                   estimation="empirical", damping=DAMPING,
-                                  max_factor_dim=4)
+                                  max_factor_dim=3)
     return jax.jit(lambda: tx.update(g, tx.init(p), p, batch=(x, y)))()
 
   out, state = run(test_lifted.scanned_net(test_lifted.THREADED), params, grads)
   expected_out, expected = run(test_lifted.Unrolled(), unroll(params), unroll(grads))
-  assert state.factors["stack/dense"].a.shape == (3, 1, 5)  # 4 inputs + bias > 4
-  assert state.factors["stack/dense"].g.shape == (3, 1, 4, 4)
+  assert state.factors["stack/dense"].a.shape == (3, 1, 5)  # 4 inputs > 3
+  assert state.factors["stack/dense"].g.shape == (3, 1, 4)  # 4 outputs > 3
   assert bf.relative_error(unroll(out), expected_out) < 1e-4

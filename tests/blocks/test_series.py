@@ -367,8 +367,8 @@ def test_series_option_with_a_factor_over_max_factor_dim_names_the_fix():
   x, _, params, targets = _problem("correlated", True, T)
   tx = kfac_optax.scale_by_kfac(
       OverTime().apply, kfac_optax.losses.squared_error(), example_batch=(x, targets),
-      layer_overrides={"time/*": "series_option2"}, max_factor_dim=3)
+      layer_overrides={"time/*": "series_option2"}, max_factor_dim=2)
   with pytest.raises(ValueError, match=r"'series_option2' needs both Kronecker "
                      r"factors in full, but this layer's factors \(A 4², G 3²\) "
-                     r"exceed max_factor_dim=3. Fix: raise max_factor_dim"):
+                     r"exceed max_factor_dim=2. Fix: raise max_factor_dim"):
     tx.init(params)

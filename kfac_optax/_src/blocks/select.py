@@ -29,8 +29,9 @@ def block_for(layout: Any, layer_params: dict, stack_shape: tuple = (),
       (``"attend"``: a tied embedding).
     structure: a key of `KRONECKER_STRUCTURES` that fixes which factors of
       a Kronecker block are diagonal, or None to decide by ``max_factor_dim``.
-    max_factor_dim: a Kronecker factor larger than this (``in_dim + 1``
-      with a bias, ``out_dim``) is kept diagonal; None: no bound.
+    max_factor_dim: a Kronecker factor whose layer side is larger than
+      this (``in_dim``, a bias's row not counted; ``out_dim``) is kept
+      diagonal; None: no bound.
     series: a `SERIES_OPTIONS` value for a dense layer with one time axis,
       or None.
     time_axes: the sizes of the leading axes (after the stack axes) that
@@ -77,7 +78,9 @@ def _unstacked_block(layout: Any, layer_params: dict, other_methods: tuple,
   has_bias = layout.bias_name in layer_params
   if structure is None:
     too_large = lambda size: max_factor_dim is not None and size > max_factor_dim
-    diagonal = too_large(layout.in_dim + has_bias), too_large(layout.out_dim)
+    # The bias's row does not count: it costs nothing, and a layer fed by a
+    # 4096-wide one (VGG's fc8) keeps its input factor under the 4096 bound.
+    diagonal = too_large(layout.in_dim), too_large(layout.out_dim)
   else:
     diagonal = KRONECKER_STRUCTURES[structure]
   return KroneckerBlock(layout, has_bias, *diagonal)

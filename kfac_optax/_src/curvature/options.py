@@ -108,8 +108,8 @@ class CurvatureOptions:
       the same way and all-gathered. Default: the context mesh
       (``jax.set_mesh``) if any, else no distribution.
     max_factor_dim: a dense or conv layer's factor larger than this (input:
-      ``in_dim + 1`` with a bias, conv ``kh·kw·c_in [+ 1]``; output:
-      ``out_dim``) is kept diagonal (``diag(A) ⊗ G`` or ``A ⊗ diag(G)``, see
+      ``in_dim``, conv ``kh·kw·c_in``, a bias's extra row not counted;
+      output: ``out_dim``) is kept diagonal (``diag(A) ⊗ G`` or ``A ⊗ diag(G)``, see
       `blocks.kronecker.KroneckerBlock`): a positive Python int, None (no bound) or
       ``"auto"``: 4096, from timing one float32 eigh on 2 CPU cores (0.53 s
       at 2048, 3.6 s at 4096, 12 s at 6144, 28 s at 8192; cholesky 4 to 5
