@@ -65,3 +65,18 @@ def test_explicit_fsdp_tensor_parallel_model_equals_one_device():
   assert stacks and all(spec[0] == ("data", "model") for spec in stacks)
   assert _specs(state.previous_update) == before  # the momentum
 
+
+
+def test_describe_outside_the_mesh_runs_under_the_params_mesh():
+  """describe() after the `with jax.set_mesh` block: the model's
+  out_sharding= names need its mesh, which the params carry."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  with jax.set_mesh(mesh):
+    model = sharded_transformer.Decoder(width=32, depth=1, heads=4, kv_heads=2,
+                                        mlp=64, rngs=nnx.Rngs(0))
+    ids = jax.device_put(np.zeros((8, 16), np.int32), jax.NamedSharding(mesh, P("data")))
+    tx = kfac_optax.kfac(model, kfac_optax.losses.softmax_cross_entropy(),
+                         example_batch=(ids, ids), learning_rate=1e-2)
+  summary = kfac_optax.describe(tx, nnx.state(model, nnx.Param))
+  assert summary.shares()["kronecker"] > 0.5
+  assert {row.path for row in summary.rows} >= {"blocks/0/query", "readout"}

@@ -164,15 +164,15 @@ class Curvature(options.CurvatureOptions):
   def _example_plan(self, params: Any) -> plans.Plan:
     # mutable=True lets flax create collections such as batch_stats that the
     # example batch needs and the caller does not have (`_discover`).
-    return self._plan(params, self.example_batch, {}, True, "example_batch")
+    with explicit_axes.params_mesh(params):
+      return self._plan(params, self.example_batch, {}, True, "example_batch")
 
   # -- state ----------------------------------------------------------------
 
   def describe(self, params: Any) -> summary.Summary:
     """The block of every module of the model (see `kfac_optax.describe`)."""
     params = param_boxes.values(params)
-    with explicit_axes.params_mesh(params):
-      return self._summary(self._example_plan(params), params)
+    return self._summary(self._example_plan(params), params)
 
   def _summary(self, plan: plans.Plan, params: Any) -> summary.Summary:
     flat_params, _ = tree_paths.flatten(params)

@@ -143,14 +143,20 @@ def in_model_axes(fn: Callable[..., Any], params: Any, batch: Any,
 
 
 def params_mesh(params: Any) -> contextlib.AbstractContextManager:
-  """The mesh of params placed with Explicit axes, set (``jax.set_mesh``)
-  for a pass made outside any mesh context: a model whose layers name
-  shardings (``out_sharding=``) runs only under its mesh."""
+  """The mesh of params placed with Explicit axes, made the context for a
+  pass of the model outside any (``init`` or ``describe`` after the ``with
+  jax.set_mesh`` block): a model whose layers name shardings
+  (``out_sharding=``) is typed only under its mesh."""
   if not jax.sharding.get_abstract_mesh().empty:
     return contextlib.nullcontext()
-  meshes = [leaf.sharding.mesh for leaf in jax.tree.leaves(params)
-            if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding)]
-  explicit = [mesh for mesh in meshes
-              if jax.sharding.AxisType.Explicit in mesh.axis_types]
-  return jax.set_mesh(explicit[0]) if explicit else contextlib.nullcontext()
-
+  # Placed arrays name their concrete mesh, which eager work needs (a key
+  # made outside a trace); traced ones only its abstract one.
+  placed = [leaf.sharding.mesh for leaf in jax.tree.leaves(params)
+            if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+            and isinstance(leaf.sharding, jax.sharding.NamedSharding)
+            and jax.sharding.AxisType.Explicit in leaf.sharding.mesh.axis_types]
+  if placed:
+    return jax.set_mesh(placed[0])
+  mesh = _explicit_mesh(params)
+  return contextlib.nullcontext() if mesh is None else (
+      jax.sharding.use_abstract_mesh(mesh))
