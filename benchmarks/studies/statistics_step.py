@@ -64,12 +64,15 @@ VARIANTS = (
     ("every 2nd, Gram of the whole patches", 2,
      lambda: mock.patch.object(conv_gram, "applies", lambda *args: False)),
 )
+# --quick, a smoke test: the step kinds and one patched step (compiling a
+# variant is most of its time).
+QUICK_VARIANTS = VARIANTS[:4]
 
 
-def contenders(workload, model_state):
+def contenders(workload, model_state, variants=VARIANTS):
   step = harness.train_step(workload)
   racers = []
-  for name, period, patch in VARIANTS:
+  for name, period, patch in variants:
     # Exact inverses, as when its section was measured: they are computed
     # once at step 0, and `factor_rank` would only add a refresh to compile.
     settings = {**resnet.DEFAULTS["tuned"], "factor_rank": None,
@@ -83,18 +86,18 @@ def contenders(workload, model_state):
   return racers
 
 
-def summarize(record):
+def summarize(record, variants=VARIANTS):
   """Per variant, the medians of its steps with and without statistics
   (step 0, which also inverts, left out) and their cost over a plain step."""
   rows = {}
-  for name, period, _ in VARIANTS:
+  for name, period, _ in variants:
     ms = 1e3 * np.asarray(record[name]["step_s"])[1:]
     has_statistics = np.arange(1, len(ms) + 1) % period == 0
     rows[name] = dict(
         period=period if period < harness.NEVER else None,
         with_statistics_ms=harness.median_or_none(list(ms[has_statistics])),
         without_statistics_ms=harness.median_or_none(list(ms[~has_statistics])))
-  plain = rows[VARIANTS[0][0]]["without_statistics_ms"]
+  plain = rows[variants[0][0]]["without_statistics_ms"]
   for row in rows.values():
     row["statistics_cost_ms"] = (None if row["with_statistics_ms"] is None
                                  else row["with_statistics_ms"] - plain)
@@ -135,15 +138,16 @@ def main(argv=None):
   started = time.perf_counter()
   workload = resnet.workload(args.quick)
   steps = 4 if args.quick else args.steps
+  variants = QUICK_VARIANTS if args.quick else VARIANTS
   params, model_state = harness.initial_variables(workload, args.seed)
-  racers = contenders(workload, model_state)
+  racers = contenders(workload, model_state, variants)
   env, load, _, (record,) = harness.interleaved_run(
       workload, racers, params, steps, args.seed, args.quick)
   name = NAME + harness.backend_suffix()
   payload = dict(
       **harness.payload_header(name, workload, SCRIPT, argv),
       environment=env, load_average=load, steps=steps,
-      batch_size=workload.batch_size, rows=summarize(record))
+      batch_size=workload.batch_size, rows=summarize(record, variants))
   payload["wall_s"] = time.perf_counter() - started
   harness.publish(name, payload, markdown(payload), SCRIPT, write=not args.quick)
   return payload
