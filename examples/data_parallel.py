@@ -62,9 +62,9 @@ QUICK_TEST_SIZE = 1024
 EVAL_CHUNK = 4096
 
 
-def parse_args(argv=None):
-  """Command-line flags; ``argv=None`` reads ``sys.argv``."""
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_process_flags(parser):
+  """The flags of the devices and processes (`start_jax`); returns their
+  argument group."""
   multi = parser.add_argument_group(
       "devices and processes",
       "--coordinator, --num-processes and --process-id start "
@@ -76,6 +76,21 @@ def parse_args(argv=None):
   multi.add_argument("--cpu-devices", type=int, default=None,
                      help="simulate N CPU devices in this process "
                      "(jax_num_cpu_devices)")
+  return multi
+
+
+def check_process_flags(parser, args):
+  """A usage error unless the jax.distributed flags come all or none."""
+  given = [a is not None for a in
+           (args.coordinator, args.num_processes, args.process_id)]
+  if any(given) and not all(given):
+    parser.error("--coordinator, --num-processes and --process-id go together")
+
+
+def parse_args(argv=None):
+  """Command-line flags; ``argv=None`` reads ``sys.argv``."""
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  multi = add_process_flags(parser)
   multi.add_argument("--model-axis", type=int, default=1,
                      help="devices on a 'model' mesh axis: with N > 1 the "
                      "params are sharded, FSDP and tensor parallel (needs "
@@ -115,10 +130,7 @@ def parse_args(argv=None):
                       help=f"smoke test: {QUICK_STEPS} steps on "
                       f"{QUICK_TRAIN_SIZE} training examples")
   args = parser.parse_args(argv)
-  given = [a is not None for a in
-           (args.coordinator, args.num_processes, args.process_id)]
-  if any(given) and not all(given):
-    parser.error("--coordinator, --num-processes and --process-id go together")
+  check_process_flags(parser, args)
   if args.model_axis > 1 and args.axis_type != "auto":
     # Under Explicit axes the model's own products of sharded params and a
     # sharded batch would have to name their output shardings.
@@ -375,8 +387,8 @@ def main(argv=None):
           "processes": jax.process_count(), "seconds": seconds}
 
 
-def run_as_script():
-  """`main`, then an exit that cannot hang a multi-process job.
+def run_as_script(entry=main):
+  """``entry()`` (`main`), then an exit that cannot hang a multi-process job.
 
   Under `jax.distributed` a worker can hang at interpreter exit, so it shuts
   the client down and leaves with `os._exit`; a failing worker prints its
@@ -386,7 +398,7 @@ def run_as_script():
   distributed = any(arg.split("=")[0] == "--coordinator" for arg in sys.argv)
   code = 0
   try:
-    main()
+    entry()
   except SystemExit as error:  # argparse: --help, or a usage error
     if not distributed:
       raise

@@ -26,11 +26,20 @@ inverses every 50) and AdamW take a step each in turn on the same windows
 (``side_by_side.train``); the script prints both losses, the time per step,
 and K-FAC's time to AdamW's final loss against AdamW's.
 
-From the repository root (``--cpu-devices 8`` simulates 8 devices on a CPU;
-on several hosts start one process per host as in ``data_parallel.py``)::
+From the repository root, on one host (``--cpu-devices 8`` simulates 8
+devices on a CPU)::
 
   python examples/sharded_transformer.py --cpu-devices 8 --model-axis 2
   python examples/sharded_transformer.py --cpu-devices 8 --model-axis 2 --quick
+
+On several hosts, launched as ``data_parallel.py`` is (here two processes
+on one machine, 4 simulated CPU devices each, one mesh over all 8; each
+process feeds its own rows of every batch)::
+
+  python examples/sharded_transformer.py --coordinator 127.0.0.1:12345 \\
+      --num-processes 2 --process-id 0 --cpu-devices 4 --quick &
+  python examples/sharded_transformer.py --coordinator 127.0.0.1:12345 \\
+      --num-processes 2 --process-id 1 --cpu-devices 4 --quick
 """
 
 import argparse
@@ -46,10 +55,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import kfac_optax
 
 try:
+  from examples import data_parallel
   from examples import datasets
   from examples import models
   from examples import side_by_side
 except ImportError:  # run as a script: examples/ itself is on sys.path
+  import data_parallel
   import datasets
   import models
   import side_by_side
@@ -137,10 +148,9 @@ class Decoder(nnx.Module):
 
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--cpu-devices", type=int, default=None,
-                      help="simulate this many devices on the CPU")
-  parser.add_argument("--model-axis", type=int, default=2,
-                      help="devices on the mesh's 'model' axis (tensor parallel)")
+  data_parallel.add_process_flags(parser).add_argument(
+      "--model-axis", type=int, default=2,
+      help="devices on the mesh's 'model' axis (tensor parallel)")
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--batch-size", type=int, default=32)
   parser.add_argument("--seq-len", type=int, default=64)
@@ -152,6 +162,7 @@ def parse_args(argv=None):
                       help=f"{QUICK_STEPS} steps, statistics and inverses "
                       "every 4 (a smoke test)")
   args = parser.parse_args(argv)
+  data_parallel.check_process_flags(parser, args)
   if args.quick:
     args.steps = QUICK_STEPS
   return args
@@ -164,8 +175,7 @@ def main(argv=None):
   steps), ``ms_per_step`` (median, compilation excluded), K-FAC's also
   ``time_to_adamw_final_loss_vs_adamw``."""
   args = parse_args(argv)
-  if args.cpu_devices:
-    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+  data_parallel.start_jax(args)
   mesh = jax.make_mesh((jax.device_count() // args.model_axis, args.model_axis),
                        ("data", "model"))
   text, description = datasets.load_text()
@@ -173,8 +183,9 @@ def main(argv=None):
   order = side_by_side.batch_order(len(ids) - args.seq_len, args.batch_size,
                                    args.steps, args.seed)
   batch_sharding = NamedSharding(mesh, P("data"))
-  batch_at = lambda i: jax.device_put(
-      datasets.windows(ids, order[i], args.seq_len), batch_sharding)
+  rows = data_parallel.local_rows(batch_sharding, args.batch_size)
+  batch_at = lambda i: data_parallel.global_batch(
+      batch_sharding, datasets.windows(ids, order[i], args.seq_len), rows)
   print(f"{description}: {len(ids)} bytes; mesh {dict(mesh.shape)}, Explicit "
         f"axes; {args.steps} steps of {args.batch_size} windows of {args.seq_len}")
 
@@ -207,11 +218,12 @@ def main(argv=None):
           f"{metrics['ms_per_step']:7.1f}")
   results["kfac"]["time_to_adamw_final_loss_vs_adamw"] = (
       side_by_side.report_time_to_reference_loss(curves, "AdamW", ["K-FAC"])["K-FAC"])
-  side_by_side.save_plot(args.plot, curves, "Sharded decoder LM (FSDP + tensor "
-                         f"parallel, mesh {dict(mesh.shape)})")
+  if jax.process_index() == 0:
+    side_by_side.save_plot(args.plot, curves, "Sharded decoder LM (FSDP + "
+                           f"tensor parallel, mesh {dict(mesh.shape)})")
   results["initial_loss"] = float(np.log(256))
   return results
 
 
 if __name__ == "__main__":
-  main()
+  data_parallel.run_as_script(main)
