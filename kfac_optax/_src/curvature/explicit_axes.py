@@ -16,6 +16,7 @@ the shardings they came with, so a model that names shardings itself
 
 import contextlib
 import contextvars
+import math
 from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
@@ -36,6 +37,10 @@ _MODEL_AXES: contextvars.ContextVar[ModelAxes | None] = contextvars.ContextVar(
     "kfac_optax_model_axes", default=None)
 
 
+def _has_explicit_axes(mesh: Any) -> bool:
+  return jax.sharding.AxisType.Explicit in mesh.axis_types
+
+
 def _explicit_mesh(trees: Any) -> jax.sharding.AbstractMesh | None:
   """The mesh whose Explicit axes (``jax.make_mesh``'s default) type the
   step: the context mesh (``jax.set_mesh``), else that of an argument's
@@ -43,8 +48,8 @@ def _explicit_mesh(trees: Any) -> jax.sharding.AbstractMesh | None:
   meshes = [jax.sharding.get_abstract_mesh()] + [
       jax.typeof(leaf).sharding.mesh for leaf in jax.tree.leaves(trees)
       if isinstance(leaf, jax.Array)]
-  return next((mesh for mesh in meshes if not mesh.empty and any(
-      kind == jax.sharding.AxisType.Explicit for kind in mesh.axis_types)), None)
+  return next((mesh for mesh in meshes
+               if not mesh.empty and _has_explicit_axes(mesh)), None)
 
 
 def _array_settings(settings: dict[str, Any]) -> dict[str, Any]:
@@ -111,10 +116,7 @@ def _fitting(spec: P, shape: tuple[int, ...], mesh: jax.sharding.AbstractMesh) -
   batch sliced to ``curvature_batch_size``)."""
   def fits(names, size):
     names = names if isinstance(names, tuple) else (names,)
-    count = 1
-    for name in names:
-      count *= mesh.shape[name]
-    return size % count == 0
+    return size % math.prod(mesh.shape[name] for name in names) == 0
   return P(*(names if names is None or fits(names, size) else None
              for names, size in zip(spec, shape)))
 
@@ -154,7 +156,7 @@ def params_mesh(params: Any) -> contextlib.AbstractContextManager:
   placed = [leaf.sharding.mesh for leaf in jax.tree.leaves(params)
             if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
             and isinstance(leaf.sharding, jax.sharding.NamedSharding)
-            and jax.sharding.AxisType.Explicit in leaf.sharding.mesh.axis_types]
+            and _has_explicit_axes(leaf.sharding.mesh)]
   if placed:
     return jax.set_mesh(placed[0])
   mesh = _explicit_mesh(params)
