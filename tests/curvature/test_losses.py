@@ -62,6 +62,10 @@ def test_gaussian_fisher_sqrt_is_identity_and_samples_match():
 @pytest.mark.parametrize("make, targets, expected", [
     (losses.softmax_cross_entropy, jnp.zeros((2, 3), jnp.int32),
      lambda f, y: -jax.nn.log_softmax(f)[..., 0]),
+    # Every class as a label: the masked sum picks each one's log-probability.
+    (losses.softmax_cross_entropy, jnp.array([[0, 1, 2], [3, 2, 1]]),
+     lambda f, y: -np.take_along_axis(np.asarray(jax.nn.log_softmax(f)),
+                                      np.asarray(y)[..., None], -1)[..., 0]),
     (losses.sigmoid_cross_entropy, jnp.ones((2, 3, 4)),
      lambda f, y: -jnp.sum(jax.nn.log_sigmoid(f), -1)),
     (losses.squared_error, jnp.ones((2, 3, 4)),
