@@ -8,7 +8,13 @@ Everything else is here, so that every workload is measured the same way:
   (momentum 0.9); optionally a tuned kfac_optax (its own complete settings
   over `kfac`'s defaults) and one with adaptive
   learning rate, momentum and damping (kfac-jax's adaptive settings);
-  ``optax.adam`` at several learning rates; kfac-jax with matched settings
+  ``optax.adam`` at several learning rates; the peers a JAX user would pick
+  instead (`PEER_FAMILIES`), each at several learning rates: Muon
+  (``optax.contrib.muon``, its kernels given the dimension numbers a user
+  would write, `muon_dimension_numbers`; the other params on Adam at the
+  workload's best Adam rate) and Schedule-Free AdamW
+  (``optax.contrib.schedule_free_adamw``; its loss is taken at the point
+  its gradient is, as for every contender); kfac-jax with matched settings
   (same learning rate, momentum, damping, curvature EMA, inverse period and
   estimation mode) and with its adaptive learning rate, momentum and damping
   as in its own autoencoder example. kfac-jax is optional:
@@ -28,10 +34,12 @@ Everything else is here, so that every workload is measured the same way:
   do not use OpenBLAS); the report records the thread counts in effect.
 - Losses are the mini-batch training losses before each update; "smoothed" is
   their trailing mean over `WINDOW` steps. Target losses are the lowest
-  smoothed loss any Adam run had at given steps; the time to a target is the
-  sum of step times (compilation excluded) until a contender's smoothed loss
-  first reaches it. The wall-clock target (an Adam's loss when its budget
-  ran out, and everyone's time to it) smooths over `BUDGET_WINDOW` steps:
+  smoothed loss any peer (Adam, Muon, Schedule-Free AdamW) had at given
+  steps; the time to a target is the sum of step times (compilation
+  excluded) until a contender's smoothed loss first reaches it, and every
+  contender's ratio is to the time of the peer that set the target. The
+  wall-clock target (a peer's loss when its budget ran out, and everyone's
+  time to it) smooths over `BUDGET_WINDOW` steps:
   with 10, a dip of Adam's curve set both its final loss and, when its
   curve had flattened, the first time it touched that loss (the convnet's
   ratio was 0.27 in one run and 0.55 in the next; with 50, 0.36 and 0.50).
@@ -105,6 +113,9 @@ RECIPE_NAME = "kfac_optax (recipe)"
 TUNED_NAME = "kfac_optax (tuned)"
 RECIPE = dict(learning_rate=1e-3, damping=1e-3, stats_update_period=10,
               inverse_update_period=50)
+# The optimizers a JAX user would pick instead of K-FAC; the targets are the
+# best of them.
+PEER_FAMILIES = ("adam", "muon", "schedule_free_adamw")
 _KFAC_JAX_ESTIMATION = {"fisher": "fisher_gradients", "empirical": "empirical",
                         "exact": "fisher_exact"}
 
@@ -128,6 +139,9 @@ class Workload:
     mutable: the collections other than params that a training step updates
       (``("batch_stats",)`` for BatchNorm in training mode).
     kfac_jax_unsupported: why kfac-jax is not run on this workload, or None.
+    muon_dims: ``params -> tree of optax.contrib.MuonDimensionNumbers``
+      (None where a param goes to Adam), as a user of this model would
+      write it for ``optax.contrib.muon``; None: `muon_dimension_numbers`.
   """
   name: str
   title: str
@@ -140,6 +154,7 @@ class Workload:
   batch_size: int
   mutable: tuple[str, ...] = ()
   kfac_jax_unsupported: str | None = None
+  muon_dims: Callable[[Any], Any] | None = None
 
   def batch(self, indices):
     return jax.tree.map(lambda x: x[indices], self.data)
@@ -174,13 +189,22 @@ class Goal:
   contenders: tuple[str, ...] | None = None
 
 
+# Every workload's targets against the peers (issue 40): never behind the
+# best peer at any target, and a first-step compile within twice Adam's.
+PEER_GOALS = (
+    Goal("worst time to a target (every T-k and B120s) / the best peer's",
+         "worst_target_time_vs_peer", 1.0, (RECIPE_NAME, TUNED_NAME)),
+    Goal("compile (first step) / the best Adam's", "compile_vs_adam", 2.0),
+)
+
+
 @dataclasses.dataclass
 class Contender:
   """One optimizer in the race.
 
   Attributes:
     name: label in tables, JSON and plot.
-    family: "kfac_optax", "adam" or "kfac_jax".
+    family: "kfac_optax", "kfac_jax" or one of `PEER_FAMILIES`.
     settings: its hyperparameters, as reported.
     start: ``params -> state`` (fresh buffers).
     step: ``(state, batch, rng, step index) -> (state, loss before the update)``.
@@ -253,6 +277,54 @@ def optax_contender(name, family, tx, settings, workload, step, model_state=None
   return Contender(name, family, settings, start,
                    lambda state, batch, rng, i: step(state, batch, rng),
                    max_steps)
+
+
+def muon_dimension_numbers(params):
+  """How a user hands a Flax model's kernels to ``optax.contrib.muon``.
+
+  Muon orthogonalises a matrix ``W`` of ``x @ W``: its reduction (input) and
+  output axes. Dense kernels are ``(in, out)``; convolution kernels
+  ``(*window, in, out)`` are matrices of the flattened window and input
+  channels (as the Muon speedruns reshape them); the attention's
+  ``DenseGeneral`` kernels are ``(in, heads, head_dim)`` for query, key and
+  value and ``(heads, head_dim, out)`` for its output (linen's attention
+  names them so; another ``DenseGeneral`` needs the Workload's
+  ``muon_dims``). Embeddings, biases and scales go to Adam, as in Muon's
+  own recipe.
+  """
+  muon = optax.contrib.MuonDimensionNumbers
+
+  def dims(path, leaf):
+    names = [getattr(key, "key", str(key)) for key in path]
+    if names[-1] != "kernel" or leaf.ndim < 2:
+      return None
+    if leaf.ndim == 3 and names[-2] in ("query", "key", "value"):
+      return muon(0, (1, 2))
+    if leaf.ndim == 3 and names[-2] == "out":
+      return muon((0, 1), 2)
+    return muon(tuple(range(leaf.ndim - 1)), leaf.ndim - 1)
+  return jax.tree_util.tree_map_with_path(dims, params)
+
+
+def peer_contenders(workload, args, step, params, model_state=None):
+  """Adam, Muon and Schedule-Free AdamW, each at its grid of learning rates.
+
+  Muon's non-matrix params train with Adam at ``args.muon_adam_lr`` (the
+  workload's best Adam rate on CPU).
+  """
+  dims = (workload.muon_dims or muon_dimension_numbers)(params)
+  factories = dict(
+      adam=optax.adam,
+      muon=lambda lr: optax.contrib.muon(
+          lr, adam_learning_rate=args.muon_adam_lr,
+          muon_weight_dimension_numbers=dims),
+      schedule_free_adamw=optax.contrib.schedule_free_adamw)
+  grids = dict(adam=args.adam_lrs, muon=args.muon_lrs,
+               schedule_free_adamw=args.schedule_free_lrs)
+  return [optax_contender(f"{family.replace('_', '-')} lr={lr:g}", family,
+                          factories[family](lr), dict(learning_rate=lr),
+                          workload, step, model_state)
+          for family in PEER_FAMILIES for lr in grids[family]]
 
 
 def backend_suffix() -> str:
@@ -342,7 +414,7 @@ def kfac_jax_contender(name, kfac_jax, loss_fn, example_batch, seed, *,
   return Contender(name, "kfac_jax", settings, start, step, max_steps)
 
 
-def make_contenders(workload, args, kfac_jax, model_state=None):
+def make_contenders(workload, args, kfac_jax, params, model_state=None):
   """All contenders of the race, in table order.
 
   In a wall-clock race (``args.budget_s``) the contenders paired with kfac-jax
@@ -362,7 +434,7 @@ def make_contenders(workload, args, kfac_jax, model_state=None):
               inverse_update_period=args.inverse_period, estimation="fisher",
               inverse=args.kfac_inverse,
               norm_constraint=None)  # matched with kfac-jax: no KL clipping
-  contenders = [ours("kfac_optax", kfac, args.matched_steps)]
+  contenders = [ours("kfac_optax", kfac, args.matched_steps)] if args.matched else []
   if args.recipe:
     contenders.append(ours(RECIPE_NAME, RECIPE))
   if args.tuned:
@@ -370,9 +442,7 @@ def make_contenders(workload, args, kfac_jax, model_state=None):
   if args.adaptive:
     contenders.append(ours("kfac_optax (adaptive)", {**kfac, **KFAC_OPTAX_ADAPTIVE},
                            args.matched_steps))
-  contenders += [optax_contender(f"adam lr={lr:g}", "adam", optax.adam(lr),
-                                 dict(learning_rate=lr), workload, step,
-                                 model_state) for lr in args.adam_lrs]
+  contenders += peer_contenders(workload, args, step, params, model_state)
   if kfac_jax is not None:
     loss_fn = kfac_jax_loss(workload, kfac_jax)
     matched = dict(curvature_ema=kfac["ema_decay"],
@@ -557,11 +627,13 @@ def summarize(contenders, records, compile_s, target_steps, key_step,
   """Per-contender rows (timings: medians over the repeats) and the targets.
 
   Targets: for each step k of ``target_steps`` the lowest smoothed loss any
-  Adam had at step k ("T{k}"); with ``budget_s``, the lowest smoothed loss
-  any Adam had when its budget ran out ("B{budget_s}s"), smoothed over
-  `BUDGET_WINDOW` steps (for every contender's time to it too). Loss
-  curves, final losses and steps to targets come from the first repeat
-  (runs are deterministic); seconds to targets are medians over repeats.
+  peer (`PEER_FAMILIES`) had at step k ("T{k}"); with ``budget_s``, the
+  lowest smoothed loss any peer had when its budget ran out ("B{budget_s}s"),
+  smoothed over `BUDGET_WINDOW` steps (for every contender's time to it
+  too). Each contender's time to a target is compared with the time of the
+  peer that set it. Loss curves, final losses and steps to targets come
+  from the first repeat (runs are deterministic); seconds to targets are
+  medians over repeats.
   """
   rows = {}
   for c in contenders:
@@ -578,24 +650,41 @@ def summarize(contenders, records, compile_s, target_steps, key_step,
         losses=losses, smoothed=smoothed,
         step_s=records[0][c.name]["step_s"])
 
-  adams = [n for n, r in rows.items() if r["family"] == "adam"
-           and r["final_loss"] is not None and math.isfinite(r["final_loss"])]
-  best_adam = min(adams, key=lambda n: rows[n]["final_loss"]) if adams else None
+  def finished(name):
+    return rows[name]["final_loss"] is not None and math.isfinite(
+        rows[name]["final_loss"])
 
-  def lowest(losses_by_adam, **target):
-    if losses_by_adam:
-      source = min(losses_by_adam, key=losses_by_adam.get)
-      targets.append(dict(target, loss=float(losses_by_adam[source]), source=source))
+  peers = [n for n, r in rows.items() if r["family"] in PEER_FAMILIES
+           and finished(n)]
+  end_loss = {n: (trailing_mean(rows[n]["losses"], BUDGET_WINDOW)[-1]
+                  if budget_s is not None else rows[n]["final_loss"])
+              for n in peers}
+  best_of = {}  # each peer family's best learning rate, and whether it is
+  for family in PEER_FAMILIES:  # at an edge of the grid tried
+    grid = [n for n in peers if rows[n]["family"] == family]
+    if grid:
+      best = min(grid, key=end_loss.get)
+      rates = sorted(rows[n]["settings"]["learning_rate"] for n in grid)
+      best_of[family] = dict(name=best, loss=float(end_loss[best]),
+                             at_grid_edge=len(rates) < 3 or rows[best][
+                                 "settings"]["learning_rate"] in (rates[0], rates[-1]))
+  adams = [n for n in peers if rows[n]["family"] == "adam"]
+  best_adam = min(adams, key=end_loss.get) if adams else None
+
+  def lowest(losses_by_peer, **target):
+    if losses_by_peer:
+      source = min(losses_by_peer, key=losses_by_peer.get)
+      targets.append(dict(target, loss=float(losses_by_peer[source]), source=source))
 
   targets = []
   for step in target_steps:
-    lowest({n: rows[n]["smoothed"][min(step, rows[n]["steps"]) - 1] for n in adams},
+    lowest({n: rows[n]["smoothed"][min(step, rows[n]["steps"]) - 1] for n in peers},
            label=f"T{step}", step=step, window=WINDOW)
   if budget_s is not None:
-    # The same smoothing as the curves it is reached on: the source Adam
+    # The same smoothing as the curves it is reached on: the source peer
     # reaches its own target exactly, not one rounding error short.
-    lowest({n: trailing_mean(rows[n]["losses"], BUDGET_WINDOW)[-1] for n in adams},
-           label=f"B{budget_s:g}s", budget_s=budget_s, window=BUDGET_WINDOW)
+    lowest(end_loss, label=f"B{budget_s:g}s", budget_s=budget_s,
+           window=BUDGET_WINDOW)
   for name, row in rows.items():
     row["to_target"] = []
     for target in targets:
@@ -604,25 +693,30 @@ def summarize(contenders, records, compile_s, target_steps, key_step,
       row["to_target"].append(dict(
           steps=reached[0][0], seconds=median_or_none([s for _, s in reached])))
   for target_index, target in enumerate(targets):
-    target["adam_seconds"] = rows[target["source"]]["to_target"][target_index]["seconds"]
+    target["source_seconds"] = rows[target["source"]]["to_target"][target_index]["seconds"]
 
   reference = rows.get(KFAC_JAX_MATCHED, {})
-
-  def time_vs_adam(row, label):
-    index = [i for i, t in enumerate(targets) if t["label"] == label]
-    return ratio(row["to_target"][index[0]]["seconds"],
-                 targets[index[0]]["adam_seconds"]) if index else None
-
+  recipe = rows.get(RECIPE_NAME, {})
   for row in rows.values():
     for stat in ("mean_ms", "median_ms"):
       row[f"{stat[:-3]}_vs_adam"] = ratio(
           row[stat], rows[best_adam][stat] if best_adam else None)
       row[f"{stat[:-3]}_vs_kfac_jax"] = ratio(row[stat], reference.get(stat))
-    row["key_target_time_vs_adam"] = time_vs_adam(row, f"T{key_step}")
-    row["budget_target_time_vs_adam"] = (
-        time_vs_adam(row, f"B{budget_s:g}s") if budget_s is not None else None)
-  return rows, dict(best_adam=best_adam, targets=targets, key_target_step=key_step,
-                    budget_s=budget_s, repeats=len(records), window=WINDOW,
+    row["mean_vs_recipe"] = ratio(row["mean_ms"], recipe.get("mean_ms"))
+    row["compile_vs_adam"] = ratio(
+        row["compile_s"], rows[best_adam]["compile_s"] if best_adam else None)
+    times = {t["label"]: ratio(reached["seconds"], t["source_seconds"])
+             for t, reached in zip(targets, row["to_target"])}
+    row["target_time_vs_peer"] = times
+    row["key_target_time_vs_peer"] = times.get(f"T{key_step}")
+    row["budget_target_time_vs_peer"] = (
+        times.get(f"B{budget_s:g}s") if budget_s is not None else None)
+    # The worst ratio over every target; None if one was never reached.
+    row["worst_target_time_vs_peer"] = (
+        max(times.values()) if times and None not in times.values() else None)
+  return rows, dict(best_adam=best_adam, best_of=best_of, targets=targets,
+                    key_target_step=key_step, budget_s=budget_s,
+                    repeats=len(records), window=WINDOW,
                     budget_window=BUDGET_WINDOW)
 
 
@@ -738,6 +832,8 @@ def markdown_section(payload):
   env, rows, summary = payload["environment"], payload["rows"], payload["summary"]
   config, load = payload["config"], payload["load_average"]
   targets = summary["targets"]
+  key_label = (f"B{config['budget_s']:g}s" if config.get("budget_s")
+               else f"T{summary['key_target_step']}")
   lines = [
       f"## {payload['title']}", "",
       f"- **Command:** `{payload['command']}` ({payload['date']}, "
@@ -757,12 +853,15 @@ def markdown_section(payload):
       "keys for all; compilation in a discarded warm-up; steps interleaved "
       "round-robin; timings are medians over the timed runs. Mean ms/step "
       "includes the inverse refreshes. Targets T*k* = the lowest smoothed "
-      f"(trailing mean of {WINDOW}) loss any Adam had at step *k*"
-      + ("; B*s*s = the lowest loss any Adam had when its *s* seconds of "
+      f"(trailing mean of {WINDOW}) loss any peer (Adam, Muon, Schedule-Free "
+      "AdamW) had at step *k*"
+      + ("; B*s*s = the lowest loss any peer had when its *s* seconds of "
          f"step time ran out, smoothed over {summary['budget_window']} steps "
          "for it and for everyone's time to it" if config.get("budget_s")
          else "")
-      + "; cells give steps / seconds to reach it (— = not reached).",
+      + "; cells give steps / seconds to reach it (— = not reached); "
+      "\"/ peer\" columns: time to the target over the time of the peer that "
+      "set it (the key target and the worst over all targets).",
   ]
   if payload["kfac_jax_unavailable"]:
     lines.append(f"- **kfac-jax not run:** {payload['kfac_jax_unavailable']}")
@@ -770,7 +869,8 @@ def markdown_section(payload):
             for name, error in payload["failed"].items()]
   header = ["contender", "median ms/step", "mean ms/step", "compile s",
             "final loss"] + [f"{t['label']} = {t['loss']:.4g}" for t in targets] + [
-                "mean / best Adam", "mean / kfac-jax (matched)"]
+                f"{key_label} / peer", "worst / peer", "mean / best Adam",
+                "compile / best Adam's", "mean / kfac-jax (matched)"]
   lines += ["", "| " + " | ".join(header) + " |",
             "|---|" + "---:|" * (len(header) - 1)]
   for name, row in rows.items():
@@ -778,9 +878,16 @@ def markdown_section(payload):
     cells = [name, fmt(row["median_ms"]), fmt(row["mean_ms"]),
              fmt(row["compile_s"]), final]
     cells += [f"{fmt(t['steps'], 'd')} / {fmt(t['seconds'])}" for t in row["to_target"]]
-    cells += [fmt(row["mean_vs_adam"], ".2f"), fmt(row["mean_vs_kfac_jax"], ".2f")]
+    cells += [fmt(row["target_time_vs_peer"].get(key_label), ".2f"),
+              fmt(row["worst_target_time_vs_peer"], ".2f"),
+              fmt(row["mean_vs_adam"], ".2f"), fmt(row["compile_vs_adam"], ".2f"),
+              fmt(row["mean_vs_kfac_jax"], ".2f")]
     lines.append("| " + " | ".join(cells) + " |")
-  lines += ["", f"Best Adam: {summary['best_adam']}. Settings:", ""]
+  lines += ["", "Targets set by: " + ", ".join(
+      f"{t['label']} {t['source']}" for t in targets) + ". Best of each peer's "
+            "grid: " + ", ".join(
+                b["name"] + (" (**at the grid's edge**)" if b["at_grid_edge"] else "")
+                for b in summary["best_of"].values()) + ". Settings:", ""]
   lines += [f"- {name}: " + ", ".join(f"{k}={v}" for k, v in row["settings"].items())
             + f" ({row['steps']} steps)" for name, row in rows.items()]
   if payload["goals"]:
@@ -851,8 +958,9 @@ def update_markdown(path, name, section, script=None):
 def parse_args(argv, defaults: dict, description: str):
   """Flags shared by the benchmarks; ``defaults`` sets the workload's values.
 
-  ``defaults`` needs steps, quick_steps, kfac_lr, kfac_damping, and may set
-  any other flag's default (``tuned`` as a dict).
+  ``defaults`` needs quick_steps, kfac_lr, kfac_damping and muon_adam_lr,
+  and may set any other flag's default (``tuned`` as a dict); ``large``:
+  the defaults that change at the large size.
   """
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument("--quick", action="store_true",
@@ -874,6 +982,9 @@ def parse_args(argv, defaults: dict, description: str):
                       choices=["cholesky", "eigh"],
                       help="cholesky matches kfac-jax's (LU) damped inverses")
   parser.add_argument("--inverse-period", type=int, default=5)
+  parser.add_argument("--matched", action=argparse.BooleanOptionalAction,
+                      default=True, help="a kfac_optax with the settings "
+                      "matched with kfac-jax (--kfac-lr, ...)")
   parser.add_argument("--recipe", action=argparse.BooleanOptionalAction,
                       default=True, help=f"a kfac_optax with the README's "
                       f"recommended settings ({RECIPE})")
@@ -884,8 +995,16 @@ def parse_args(argv, defaults: dict, description: str):
   parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction,
                       default=False, help="a kfac_optax with the adaptive "
                       "controls of the kfac-jax (adaptive) contender")
-  parser.add_argument("--adam-lrs", type=lambda s: [float(v) for v in s.split(",")],
-                      default=[1e-3, 3e-3, 1e-2])
+  rates = lambda s: [] if s == "none" else [float(v) for v in s.split(",")]
+  parser.add_argument("--adam-lrs", type=rates, default=[1e-3, 3e-3, 1e-2])
+  parser.add_argument("--muon-lrs", type=rates, default=[1e-2, 3e-2, 1e-1])
+  parser.add_argument("--muon-adam-lr", type=float, help="Adam's learning "
+                      "rate for the params Muon leaves to it (default: the "
+                      "workload's best Adam rate)")
+  parser.add_argument("--schedule-free-lrs", type=rates, default=[1e-3, 3e-3, 1e-2])
+  parser.add_argument("--large", action="store_true", help="the workload's "
+                      "large size (an accelerator's: its best Adam step "
+                      ">= 5 ms on an H100), results under <name>_large")
   parser.add_argument("--kfac-jax", default="auto",
                       choices=["auto", "require", "skip"])
   parser.add_argument("--kfac-jax-steps", type=int,
@@ -897,11 +1016,18 @@ def parse_args(argv, defaults: dict, description: str):
   parser.add_argument("--markdown", help="RESULTS.md to update "
                       "(default benchmarks/RESULTS.md; none with --quick)")
   parser.add_argument("--log-every", type=int, default=20)
-  parser.set_defaults(**{k: v for k, v in defaults.items() if k != "quick_steps"})
+  parser.set_defaults(**{k: v for k, v in defaults.items()
+                         if k not in ("quick_steps", "large")})
   args = parser.parse_args(argv)
-  if args.quick:  # one Adam: the others differ only in a number
+  if args.large:
+    parser.set_defaults(**defaults.get("large", {}))
+    args = parser.parse_args(argv)
+  if args.muon_adam_lr is None:
+    raise ValueError("the workload's defaults need muon_adam_lr")
+  if args.quick:  # one rate of each peer: the others differ only in a number
     args.steps, args.repeats = defaults["quick_steps"], 1
-    args.adam_lrs = args.adam_lrs[:1]
+    args.adam_lrs, args.muon_lrs = args.adam_lrs[:1], args.muon_lrs[:1]
+    args.schedule_free_lrs = args.schedule_free_lrs[:1]
     args.kfac_jax_steps, args.log_every, args.budget_s = None, 0, None
     args.target_steps = sorted({min(s, args.steps) for s in args.target_steps})
     args.key_target_step = args.target_steps[-1]
@@ -939,7 +1065,7 @@ def main(make_workload, goals, defaults, argv=None, script=None):
   """Runs one benchmark end to end; returns its results (the JSON payload).
 
   Args:
-    make_workload: ``quick -> Workload``.
+    make_workload: ``(quick, large) -> Workload``.
     goals: the workload's targets (`Goal`s).
     defaults: see `parse_args`.
     argv: command-line arguments (default ``sys.argv[1:]``).
@@ -949,7 +1075,7 @@ def main(make_workload, goals, defaults, argv=None, script=None):
   args = parse_args(argv, defaults, make_workload.__doc__.split("\n")[0])
   command = " ".join(["python", os.path.relpath(script or sys.argv[0], REPO_ROOT),
                       *(sys.argv[1:] if argv is None else argv)])
-  workload = make_workload(args.quick)
+  workload = make_workload(args.quick, args.large)
   params, model_state = initial_variables(workload, args.seed)
   print(f"{workload.title}: {workload.num_examples} examples, batch "
         f"{workload.batch_size}, " + (f"{args.budget_s:g} s" if args.budget_s
@@ -960,7 +1086,7 @@ def main(make_workload, goals, defaults, argv=None, script=None):
   unavailable = workload.kfac_jax_unsupported or unavailable
   if unavailable:
     print(f"NOTE: kfac-jax not run: {unavailable}", flush=True)
-  contenders = make_contenders(workload, args, kfac_jax, model_state)
+  contenders = make_contenders(workload, args, kfac_jax, params, model_state)
   batches = Batches(workload, args.seed)
   load = LoadSampler()
   with single_threaded_lapack():
@@ -978,9 +1104,9 @@ def main(make_workload, goals, defaults, argv=None, script=None):
                           args.log_every, load, args.budget_s))
   rows, summary = summarize(contenders, records, compile_s, args.target_steps,
                             args.key_target_step, args.budget_s)
-  name = workload.name + backend_suffix()
-  title = workload.title + (f" on GPU ({env['accelerator']})"
-                            if env["accelerator"] else "")
+  name = workload.name + ("_large" if args.large else "") + backend_suffix()
+  title = (workload.title + (" (large)" if args.large else "")
+           + (f" on GPU ({env['accelerator']})" if env["accelerator"] else ""))
   payload = dict(
       name=name, title=title, description=workload.description,
       command=command, date=datetime.datetime.now(datetime.timezone.utc).strftime(

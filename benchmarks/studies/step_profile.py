@@ -229,6 +229,8 @@ def main(argv=None):
   workloads = {"autoencoder": autoencoder, "convnet": convnet,
                "transformer_lm": transformer_lm}
   parser.add_argument("--workload", choices=list(workloads), help="only this one")
+  parser.add_argument("--large", action="store_true", help="the workloads' "
+                      "large (accelerator) sizes; results under step_profile_large")
   args = parser.parse_args(argv)
   if args.settings and args.markdown:
     parser.error("--settings prints only; RESULTS.md holds the defaults' profile")
@@ -242,7 +244,7 @@ def main(argv=None):
     defaults = module.DEFAULTS
     settings = {**dict(learning_rate=defaults["kfac_lr"], damping=defaults["kfac_damping"],
                        momentum=0.9, inverse="cholesky"), **args.settings}
-    workload = module.workload(args.quick)
+    workload = module.workload(args.quick, args.large)
     print(f"{workload.title}:", flush=True)
     results[workload.title] = r = profile(workload, settings, 5, args.steps,
                                           args.profile_steps)
@@ -250,9 +252,12 @@ def main(argv=None):
       print(f"  {k:<52} {v:8.1f} ms")
   if args.markdown:
     flags = os.environ.get("XLA_FLAGS")
-    command = (f"XLA_FLAGS={flags} " if flags else "") + "python benchmarks/studies/step_profile.py"
+    command = " ".join([(f"XLA_FLAGS={flags} " if flags else "")
+                        + "python benchmarks/studies/step_profile.py",
+                        *(sys.argv[1:] if argv is None else argv)])
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    device, name = harness.accelerator(), NAME + harness.backend_suffix()
+    device = harness.accelerator()
+    name = NAME + ("_large" if args.large else "") + harness.backend_suffix()
     harness.write_json(os.path.join(harness.RESULTS_DIR, f"{name}.json"),
                        dict(command=command, date=date, device=device, results=results))
     harness.update_markdown(args.markdown, name,

@@ -12,7 +12,9 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import flax
 import numpy as np
+import optax
 import pytest
 
 import kfac_optax
@@ -39,7 +41,8 @@ def test_quick_mode_runs_every_contender_and_writes_reports(module, tmp_path):
   results = module.main(argv)
 
   expected = {"kfac_optax", harness.RECIPE_NAME,
-              f"adam lr={module.DEFAULTS['adam_lrs'][0]:g}"}
+              f"adam lr={module.DEFAULTS['adam_lrs'][0]:g}", "muon lr=0.01",
+              "schedule-free-adamw lr=0.001"}
   if module.DEFAULTS.get("tuned"):
     expected.add("kfac_optax (tuned)")
   if module.DEFAULTS.get("adaptive"):
@@ -118,36 +121,85 @@ def test_wall_clock_race_stops_each_contender_at_its_budget():
     harness.race([fast], None, _NoBatches(), None)
 
 
-def test_budget_target_is_the_best_adams_final_loss_and_its_own_time():
-  """B<s>s: the lowest final loss of any Adam, smoothed over BUDGET_WINDOW
-  steps; ratios of seconds to it, on curves smoothed the same way."""
+def test_budget_target_is_the_best_peers_final_loss_and_its_own_time():
+  """B<s>s: the lowest final loss of any peer, smoothed over BUDGET_WINDOW
+  steps; ratios of seconds to it (to that peer's), on curves smoothed the
+  same way."""
   def record(losses, seconds):
     return dict(loss=list(losses), step_s=[seconds] * len(losses))
   window = harness.BUDGET_WINDOW
   # Ends lowest, with a last dip that a 10-step window would take as its loss.
-  adam_a = [5.0] * 40 + [1.0] * (window - 10) + [0.5] * 10
+  muon_a = [5.0] * 40 + [1.0] * (window - 10) + [0.5] * 10
   adam_b = [3.0] * 100
   kfac = [4.0, 2.0, 1.0] + [0.5] * 80
-  contenders = [_Sleeper("adam a", "adam", 0), _Sleeper("adam b", "adam", 0),
+  contenders = [_Sleeper("muon a", "muon", 0), _Sleeper("adam b", "adam", 0),
                 _Sleeper("kfac", "kfac_optax", 0)]
-  records = [{"adam a": record(adam_a, 1.0), "adam b": record(adam_b, 1.0),
+  for contender, rate in zip(contenders, (0.1, 0.1)):
+    contender.settings = dict(learning_rate=rate)
+  records = [{"muon a": record(muon_a, 1.0), "adam b": record(adam_b, 1.0),
               "kfac": record(kfac, 2.0)}]
   rows, summary = harness.summarize(contenders, records, {}, [2], 2, budget_s=20.0)
   budget_target = summary["targets"][-1]
-  assert budget_target["label"] == "B20s" and budget_target["source"] == "adam a"
-  assert budget_target["loss"] == pytest.approx(0.9)  # np.mean(adam_a[-window:])
+  assert budget_target["label"] == "B20s" and budget_target["source"] == "muon a"
+  assert budget_target["loss"] == pytest.approx(0.9)  # np.mean(muon_a[-window:])
   reach = lambda losses, seconds: harness.first_reach(
       harness.trailing_mean(losses, window), [seconds] * len(losses),
       budget_target["loss"])
-  adam_steps, adam_seconds = reach(adam_a, 1.0)
+  muon_steps, muon_seconds = reach(muon_a, 1.0)
   kfac_steps, kfac_seconds = reach(kfac, 2.0)
-  assert adam_steps == len(adam_a)  # its smoothed curve touches 0.9 only at the end
-  assert budget_target["adam_seconds"] == adam_seconds == adam_steps * 1.0
+  assert muon_steps == len(muon_a)  # its smoothed curve touches 0.9 only at the end
+  assert budget_target["source_seconds"] == muon_seconds == muon_steps * 1.0
   assert rows["kfac"]["to_target"][-1] == dict(steps=kfac_steps, seconds=kfac_seconds)
   assert kfac_steps < len(kfac)
-  assert rows["kfac"]["budget_target_time_vs_adam"] == pytest.approx(
-      kfac_seconds / adam_seconds)
-  assert rows["adam b"]["budget_target_time_vs_adam"] is None  # never reached
+  assert rows["kfac"]["budget_target_time_vs_peer"] == pytest.approx(
+      kfac_seconds / muon_seconds)
+  assert rows["adam b"]["budget_target_time_vs_peer"] is None  # never reached
+  # T2 was set by adam b (3.0 against muon a's 5.0), which reached it at its
+  # first step (1 s) and kfac at its second (4 s): kfac's worst ratio.
+  assert summary["targets"][0]["source"] == "adam b"
+  assert rows["kfac"]["target_time_vs_peer"]["T2"] == pytest.approx(4.0)
+  assert rows["kfac"]["worst_target_time_vs_peer"] == pytest.approx(4.0)
+  assert kfac_seconds / muon_seconds < 4.0
+  assert rows["adam b"]["worst_target_time_vs_peer"] is None
+  # A grid of one rate is at its own edge: the table flags it.
+  assert summary["best_of"]["muon"] == dict(
+      name="muon a", loss=pytest.approx(0.9), at_grid_edge=True)
+
+
+def test_muon_gets_each_kernel_as_its_input_by_output_matrix():
+  """Dense (in, out), convolution (window, in, out) and attention
+  (in, heads, head_dim) / (heads, head_dim, out) kernels: the reduction axes
+  multiply to the layer's fan-in; embeddings, biases and scales go to Adam."""
+  class Tiny(flax.linen.Module):
+    @flax.linen.compact
+    def __call__(self, ids):
+      x = flax.linen.Embed(11, 8)(ids)
+      x = flax.linen.MultiHeadDotProductAttention(2, name="attention")(x)
+      x = flax.linen.LayerNorm()(x)
+      x = flax.linen.Conv(6, (3,), use_bias=False)(x)
+      x = flax.linen.Conv(5, (2, 2))(x[..., None])
+      return flax.linen.Dense(3)(x)
+
+  params = jax.eval_shape(Tiny().init, jax.random.key(0),
+                          jnp.zeros((2, 4), jnp.int32))["params"]
+  by_path = lambda tree: {"/".join(k.key for k in path): leaf for path, leaf in
+                          jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: (
+                              x is None or isinstance(x, optax.contrib.MuonDimensionNumbers)))[0]}
+  shapes = {name: leaf.shape for name, leaf in by_path(params).items()}
+  dims = by_path(harness.muon_dimension_numbers(params))
+  axes = lambda a: a if isinstance(a, tuple) else (a,)
+  fan_in = {}
+  for name, spec in dims.items():
+    if spec is not None:
+      reduction, output = axes(spec.reduction_axis), axes(spec.output_axis)
+      assert sorted(reduction + output) == list(range(len(shapes[name]))), name
+      fan_in[name] = math.prod(shapes[name][a] for a in reduction)
+  assert fan_in == {"attention/query/kernel": 8, "attention/key/kernel": 8,
+                    "attention/value/kernel": 8, "attention/out/kernel": 8,
+                    "Conv_0/kernel": 3 * 8, "Conv_1/kernel": 2 * 2 * 1,
+                    "Dense_0/kernel": 5}
+  assert dims["Embed_0/embedding"] is None and dims["Dense_0/bias"] is None
+  assert dims["LayerNorm_0/scale"] is None
 
 
 def test_targets_use_the_smoothed_loss_and_summed_step_times():

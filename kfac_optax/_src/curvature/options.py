@@ -73,10 +73,10 @@ class CurvatureOptions:
       through SciPy's OpenBLAS), ``"newton_schulz"`` (matrix products only,
       started from the previous inverse, Cholesky where it stays
       inaccurate; `linalg.newton_schulz.newton_schulz_inverse`), or
-      ``"auto"`` (default): ``"cholesky"`` on CPU, where it was measured
-      fastest in a training step, ``"eigh"`` on other backends
-      (`linalg.damped.resolve_inverse`). See benchmarks/RESULTS.md, "The
-      inverse refresh on a busy CPU".
+      ``"auto"`` (default): ``"cholesky"``, measured fastest in a training
+      step on CPU and 30× faster than eigh in a refresh on a GPU
+      (`linalg.damped.resolve_inverse`; benchmarks/RESULTS.md, "The inverse
+      refresh on a busy CPU" and "GPU (H200): summary").
     num_samples: draws per example for ``"fisher"`` and ``"curvature_prop"``,
       a positive int.
     apply_kwargs: constant keyword arguments for ``apply_fn`` (e.g.

@@ -67,20 +67,20 @@ def mean_eigenvalue(matrix: jax.Array) -> jax.Array:
 
 
 def resolve_inverse(method: str) -> str:
-  """The inverse method ``"auto"`` stands for on the default backend.
+  """The inverse method ``"auto"`` stands for: ``"cholesky"`` on every backend.
 
-  ``"cholesky"`` on CPU (`cholesky.cholesky_inverse`): in the main
-  example's training step at the recommended periods (inverses every 50
-  steps) it was the fastest, on a quiet machine and with one extra busy
-  process (mean step 2.12× and 2.82× Adam's; eigh 3.35× and 4.50×,
-  Newton-Schulz 3.61× and 4.45×), and one inverse of a 1024² factor took
-  15 ms (23 ms busy) against Newton-Schulz's 38 ms (69 ms) from a nearby
-  start (benchmarks/RESULTS.md, "The inverse refresh on a busy CPU").
-  ``"eigh"`` elsewhere (not measured against the others).
+  On CPU (`cholesky.cholesky_inverse`), in the main example's training step
+  at the recommended periods (inverses every 50 steps), it was the fastest,
+  on a quiet machine and with one extra busy process (mean step 2.12× and
+  2.82× Adam's; eigh 3.35× and 4.50×, Newton-Schulz 3.61× and 4.45×), and
+  one inverse of a 1024² factor took 15 ms (23 ms busy) against
+  Newton-Schulz's 38 ms (69 ms) from a nearby start (benchmarks/RESULTS.md,
+  "The inverse refresh on a busy CPU"). On an H200, a refresh of the large
+  transformer LM's factors took 10.9 ms with Cholesky and about 280-380 ms
+  with eigh, the large autoencoder's about 90-100 ms with eigh (RESULTS.md,
+  "GPU (H200): summary").
   """
-  if method != "auto":
-    return method
-  return "cholesky" if jax.default_backend() == "cpu" else "eigh"
+  return "cholesky" if method == "auto" else method
 
 
 def damped_inverse(matrix: jax.Array, damping: jax.Array, method: str) -> jax.Array:
