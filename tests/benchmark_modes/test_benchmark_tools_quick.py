@@ -17,9 +17,9 @@ from kfac_optax._src.curvature import canonical_convolutions
 def test_recipe_sweep_estimates_each_candidates_time_to_the_budget_target(
     monkeypatch):
   """Steps to the workload's targets, and the estimated time ratio: steps to
-  B120s × the candidate's mean step / Adam's seconds to B120s."""
+  B120s × the candidate's mean step / the best peer's seconds to B120s."""
   targets = [dict(label="T50", loss=1e9, window=harness.WINDOW),
-             dict(label="B120s", loss=1e9, adam_seconds=2.0,
+             dict(label="B120s", loss=1e9, source_seconds=2.0, source="muon",
                   window=harness.BUDGET_WINDOW)]
   monkeypatch.setattr(recipe_sweep, "reference_run",
                       lambda name: (targets, 50.0, "2026-01-01"))
@@ -32,7 +32,7 @@ def test_recipe_sweep_estimates_each_candidates_time_to_the_budget_target(
     assert row["steps"] == recipe_sweep.QUICK_STEPS
     assert row["settings"]["stats_update_period"] == harness.RECIPE["stats_update_period"]
     assert row["to_target"] == [1, 1]  # every loss is below 1e9
-    assert row["estimated_budget_time_vs_adam"] == pytest.approx(
+    assert row["estimated_budget_time_vs_peer"] == pytest.approx(
         row["mean_ms"] / 1e3 / 2.0)
   assert "| lr=0.003 clip=None |" in recipe_sweep.markdown(result)
 
