@@ -1004,7 +1004,7 @@ def parse_args(argv, defaults: dict, description: str):
   parser.add_argument("--schedule-free-lrs", type=rates, default=[1e-3, 3e-3, 1e-2])
   parser.add_argument("--large", action="store_true", help="the workload's "
                       "large size (an accelerator's: its best Adam step "
-                      ">= 5 ms on an H100), results under <name>_large")
+                      ">= 5 ms on a GPU), results under <name>_large")
   parser.add_argument("--kfac-jax", default="auto",
                       choices=["auto", "require", "skip"])
   parser.add_argument("--kfac-jax-steps", type=int,

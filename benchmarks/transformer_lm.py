@@ -46,7 +46,8 @@ DEFAULTS = dict(budget_s=120.0, matched_steps=300, quick_steps=2, kfac_lr=0.01,
                 muon_lrs=[3e-3, 1e-2, 3e-2], schedule_free_lrs=[3e-3, 1e-2, 3e-2],
                 target_steps=[100, 200, 400, 800], key_target_step=400)
 # Large: the size class of the sharded-models example's decoder (4 blocks,
-# width 256, 8 heads, 256 characters, batch 32: 8192 tokens a step).
+# width 256, 8 heads, 256 characters, batch 32: 8192 tokens a step; the best
+# Adam step took 5.9 ms on an H200).
 LARGE = dict(width=256, num_heads=8, num_blocks=4, seq_len=256, batch_size=32)
 GOALS = (
     harness.Goal("seconds to the best peer's 120-s loss / that peer's",
