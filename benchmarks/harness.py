@@ -139,9 +139,6 @@ class Workload:
     mutable: the collections other than params that a training step updates
       (``("batch_stats",)`` for BatchNorm in training mode).
     kfac_jax_unsupported: why kfac-jax is not run on this workload, or None.
-    muon_dims: ``params -> tree of optax.contrib.MuonDimensionNumbers``
-      (None where a param goes to Adam), as a user of this model would
-      write it for ``optax.contrib.muon``; None: `muon_dimension_numbers`.
   """
   name: str
   title: str
@@ -154,7 +151,6 @@ class Workload:
   batch_size: int
   mutable: tuple[str, ...] = ()
   kfac_jax_unsupported: str | None = None
-  muon_dims: Callable[[Any], Any] | None = None
 
   def batch(self, indices):
     return jax.tree.map(lambda x: x[indices], self.data)
@@ -288,9 +284,9 @@ def muon_dimension_numbers(params):
   channels (as the Muon speedruns reshape them); the attention's
   ``DenseGeneral`` kernels are ``(in, heads, head_dim)`` for query, key and
   value and ``(heads, head_dim, out)`` for its output (linen's attention
-  names them so; another ``DenseGeneral`` needs the Workload's
-  ``muon_dims``). Embeddings, biases and scales go to Adam, as in Muon's
-  own recipe.
+  names them so; a workload with another ``DenseGeneral`` layout needs its
+  rule here). Embeddings, biases and scales go to Adam, as in Muon's own
+  recipe.
   """
   muon = optax.contrib.MuonDimensionNumbers
 
@@ -312,7 +308,7 @@ def peer_contenders(workload, args, step, params, model_state=None):
   Muon's non-matrix params train with Adam at ``args.muon_adam_lr`` (the
   workload's best Adam rate on CPU).
   """
-  dims = (workload.muon_dims or muon_dimension_numbers)(params)
+  dims = muon_dimension_numbers(params)
   factories = dict(
       adam=optax.adam,
       muon=lambda lr: optax.contrib.muon(
