@@ -17,7 +17,7 @@ that the profile names every op). A workload that would start after
 
 From the repository root, on the GPU machine::
 
-  python benchmarks/accelerator.py              # ~9 min on an H200 (2026-11-27)
+  python benchmarks/accelerator.py              # races 7.6 min on an H200 (2026-11-27)
   python benchmarks/accelerator.py --quick      # the quick sizes, on any backend
 """
 
@@ -35,7 +35,7 @@ RACE_FLAGS = ["--no-matched", "--no-adaptive", "--kfac-jax", "skip",
 # Triton GEMM fusion pass ("triton_tiling_propagation.cc:703 Check failed:
 # subdim_size_accumulator == dim_size"); without Triton GEMMs it compiles.
 XLA_FLAGS = {"resnet": "--xla_gpu_enable_triton_gemm=false"}
-PROFILE_MIN_S = 90  # what the step profile needs, compilation included
+PROFILE_MIN_S = 115  # the step profile took 111 s on an H200, compiles included
 
 
 def with_xla_flags(flags):
@@ -61,7 +61,7 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--budget-s", type=float, default=4.0,
                       help="seconds of step time per contender")
-  parser.add_argument("--deadline-s", type=float, default=540.0,
+  parser.add_argument("--deadline-s", type=float, default=575.0,
                       help="no workload starts after this many seconds")
   parser.add_argument("--quick", action="store_true",
                       help="the workloads' quick sizes (writes nothing)")

@@ -13,7 +13,7 @@ of the 128 examples) with exact inverses, interleaved in one run
    jax traces them (XLA:CPU compiles the backward ones, inside the cond, as
    plain loops);
 5. the same with the convolution Gram in one-example chunks
-   (`kronecker._MIN_CHUNK_FLOATS` = 1, the bound before it);
+   (`kronecker._min_chunk_floats` = 1, the bound before it);
 6. the same with the Gram of the whole patches, without its translation
    structure (`kfac_optax.conv_gram`).
 
@@ -60,7 +60,7 @@ VARIANTS = (
      lambda: mock.patch.object(canonical_convolutions, "canonical_convolutions",
                                lambda fn: fn)),
     ("every 2nd, one-example Gram chunks", 2,
-     lambda: mock.patch.object(kronecker, "_MIN_CHUNK_FLOATS", 1)),
+     lambda: mock.patch.object(kronecker, "_min_chunk_floats", lambda: 1)),
     ("every 2nd, Gram of the whole patches", 2,
      lambda: mock.patch.object(conv_gram, "applies", lambda *args: False)),
 )

@@ -1,11 +1,12 @@
 """Quick modes of the benchmark tools that are not workloads: the recipe
-sweep, the sub-batch race, forward sharing, the step profile and the
-statistics step (a file of their own, so that the suite's workers share the
+sweep, the sub-batch race, forward sharing, the step profile, the compile
+time and the statistics step (a file of their own, so that the suite's workers share the
 benchmarks' compile time)."""
 
 import pytest
 
 from benchmarks import harness
+from benchmarks.studies import compile_time
 from benchmarks.studies import curvature_batch
 from benchmarks.studies import forward_sharing
 from benchmarks.studies import recipe_sweep
@@ -74,3 +75,12 @@ def test_statistics_step_quick_mode_times_each_variant_by_step_kind():
         row["with_statistics_ms"] - plain["without_statistics_ms"])
   # The quick run's patched variant ("convolutions as traced") was undone.
   assert canonical_convolutions.canonical_convolutions is original
+
+
+def test_compile_time_quick_mode_times_adam_and_the_recipe():
+  (rows,) = compile_time.main(["--quick", "--workloads", "autoencoder"]).values()
+  assert list(rows) == ["adam lr=0.001", harness.RECIPE_NAME]
+  assert rows["adam lr=0.001"]["compile_vs_adam"] == 1.0
+  recipe = rows[harness.RECIPE_NAME]
+  assert recipe["compile_vs_adam"] == recipe["compile_s"] / rows["adam lr=0.001"]["compile_s"]
+  assert recipe["stablehlo_lines"] > rows["adam lr=0.001"]["stablehlo_lines"] > 0

@@ -110,7 +110,7 @@ def test_block_statistics_in_chunks_and_under_a_mask_match_the_whole_patches():
   terms = losses.Terms(count=4.0, mask=jnp.array([1.0, 0.0, 1.0, 1.0, 0.0, 1.0]))
   assert conv_gram.applies(block.layout, x.shape, terms, False)
   factor = lambda: jax.jit(lambda x: block.input_factor([x], terms))(x)
-  with mock.patch.object(kronecker, "_MIN_CHUNK_FLOATS", 1):  # one example per chunk
+  with mock.patch.object(kronecker, "_min_chunk_floats", lambda: 1):  # one example per chunk
     chunked = factor()
     with mock.patch.object(conv_gram, "applies", lambda *args: False):
       expected = factor()

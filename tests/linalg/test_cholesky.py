@@ -1,4 +1,4 @@
-"""Blocked Cholesky inverses and XLA triangular solves (`kfac_optax.cholesky`)."""
+"""Blocked inverses of SPD matrices and XLA triangular solves (`linalg.cholesky`)."""
 
 import re
 
@@ -18,12 +18,12 @@ def _spd(size, seed=0, damping=1e-3):
 
 
 @pytest.mark.parametrize("size", [7, 8, 9, 30])
-def test_blocked_cholesky_is_the_cholesky_factor(size):
+def test_sweep_inverse_is_the_inverse(size):
+  # Blocks of 8: one pivot, one, two and four (30 = 4 blocks of 8 less 2 padding rows).
   matrix = _spd(size)
-  factor = jax.jit(lambda m: cholesky.blocked_cholesky(m, block=8))(matrix)
-  expected = np.linalg.cholesky(matrix.astype(np.float64))
-  assert bf.relative_error(factor, expected) < 1e-4
-  np.testing.assert_array_equal(np.triu(np.asarray(factor), 1), 0.0)
+  inverse = jax.jit(lambda m: cholesky.sweep_inverse(m, block=8))(matrix)
+  assert bf.relative_error(inverse, np.linalg.inv(matrix.astype(np.float64))) < 1e-4
+  np.testing.assert_array_equal(inverse, np.asarray(inverse).T)
 
 
 @pytest.mark.parametrize("size", [5, 129])
@@ -63,9 +63,10 @@ def test_triangular_solve_under_vmap():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU path")
-def test_lapack_sees_only_small_blocks_on_cpu():
+def test_lapack_sees_only_small_blocks_on_cpu_in_one_loop():
   # What keeps OpenBLAS's threads asleep: no BLAS triangular solve, and
-  # LAPACK's Cholesky only of blocks of at most `BLOCK` rows.
+  # LAPACK's Cholesky only of blocks of at most `BLOCK` rows; and what keeps
+  # the compile short: one Cholesky call, in a loop over the three pivots.
   size = 2 * cholesky.BLOCK + 3
   hlo = jax.jit(cholesky.cholesky_inverse).lower(
       jnp.zeros((size, size))).compile().as_text()
@@ -73,4 +74,4 @@ def test_lapack_sees_only_small_blocks_on_cpu():
   assert not any("trsm" in line for line in calls)
   potrf = [line for line in calls if "potrf" in line]
   rows = {int(n) for line in potrf for n in re.findall(r"f32\[(\d+),\d+\]", line)}
-  assert potrf and max(rows) <= cholesky.BLOCK
+  assert len(potrf) == 1 and rows == {-(-size // 3)}

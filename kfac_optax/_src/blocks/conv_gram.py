@@ -34,7 +34,6 @@ from kfac_optax._src import layouts
 from kfac_optax._src import linalg
 from kfac_optax._src import losses
 
-_HIGHEST = jax.lax.Precision.HIGHEST
 # Narrower first-offset blocks (kernel width x channels per group) make the
 # first block row a thin product that XLA:CPU runs no faster than the whole
 # Gram: at batch 128, 3x3 kernels over 8 channels (24) broke even, over 4 lost.
@@ -122,7 +121,7 @@ def input_gram(layout, x: jax.Array, row_weights: jax.Array,
   example_weights = row_weights.reshape(-1, per_example)[:, 0]
   weighted_first = patches[:, :, 0] * row_weights[:, None].astype(patches.dtype)
   first_row = jnp.einsum("gri,grj->gij", weighted_first, flat_patches,
-                         precision=_HIGHEST)
+                         precision=linalg.STATISTICS_PRECISION)
 
   blocks, pairs, signs = _corrections(kernel, dilation, num_rows,
                                       _zero_rows(layout, x.shape[-padded.ndim + 1:-1]))
@@ -136,8 +135,8 @@ def input_gram(layout, x: jax.Array, row_weights: jax.Array,
     rhs = slabs[:, np.asarray([rows.index(u + d * dilation) for u, d in pairs])]
     lhs = lhs * jnp.repeat(example_weights, lhs.shape[2] // len(example_weights)
                            )[:, None].astype(lhs.dtype)
-    edges = jnp.einsum("gpri,gprj->gpij", lhs, rhs, precision=_HIGHEST)
-    corrections = jnp.einsum("bp,gpij->gbij", signs, edges, precision=_HIGHEST)
+    edges = jnp.einsum("gpri,gprj->gpij", lhs, rhs, precision=linalg.STATISTICS_PRECISION)
+    corrections = jnp.einsum("bp,gpij->gbij", signs, edges, precision=linalg.STATISTICS_PRECISION)
   block = {pd: first_row[:, :, pd[1] * width:(pd[1] + 1) * width] +
                (corrections[:, b] if pairs else 0.0)
            for b, pd in enumerate(blocks)}
@@ -148,7 +147,7 @@ def input_gram(layout, x: jax.Array, row_weights: jax.Array,
   if not has_bias:
     return gram
   sums = jnp.einsum("grj,r->gj", flat_patches, row_weights.astype(patches.dtype),
-                    precision=_HIGHEST)
+                    precision=linalg.STATISTICS_PRECISION)
   count = jnp.broadcast_to(jnp.sum(row_weights).astype(gram.dtype), (groups, 1, 1))
   return jnp.concatenate([jnp.concatenate([gram, sums[:, :, None]], 2),
                           jnp.concatenate([sums[:, None, :], count], 2)], 1)

@@ -15,7 +15,6 @@ from kfac_optax._src import linalg
 from kfac_optax._src import losses
 from kfac_optax._src.blocks import kronecker
 
-_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 SERIES_OPTIONS = tuple(linalg.SERIES_DECOMPOSITIONS)  # "series_option1", "series_option2"
@@ -153,9 +152,9 @@ def _lagged_grams(rows: jax.Array, weights: jax.Array):
   (the geometric mean weighs a pair as the output gradients' √w each do)."""
   rows = linalg.at_least_float32(rows)
   w = weights[:, None, :, None]
-  gram = jnp.einsum("tsri,tsrj->sij", rows * w, rows, precision=_HIGHEST)
+  gram = jnp.einsum("tsri,tsrj->sij", rows * w, rows, precision=linalg.STATISTICS_PRECISION)
   lag = jnp.einsum("tsri,tsrj->sij", rows[1:] * jnp.sqrt(w[1:] * w[:-1]), rows[:-1],
-                   precision=_HIGHEST)
+                   precision=linalg.STATISTICS_PRECISION)
   return gram, lag
 
 

@@ -2,7 +2,8 @@
 
 Modules, one idea each:
 
-- `precision`: the dtype of statistics and inverses (float32, or float64).
+- `precision`: the dtype of statistics and inverses (float32, or float64),
+  and the matmul precision of the statistics.
 - `damped`: a damped factor (`Damped`, `DampedDiagonal`), the π-adjusted
   split of λ between a block's factors, one matrix's damped inverse or power.
 - `newton_schulz`, `cholesky`, `low_rank`: the inverse methods besides eigh
@@ -24,6 +25,7 @@ from kfac_optax._src.linalg.damped import mean_eigenvalue
 from kfac_optax._src.linalg.damped import pi_adjusted_damping
 from kfac_optax._src.linalg.distributed import stack_sharding
 from kfac_optax._src.linalg.distributed import StackSharding
+from kfac_optax._src.linalg.precision import STATISTICS as STATISTICS_PRECISION
 from kfac_optax._src.linalg.precision import at_least_float32
 from kfac_optax._src.linalg.precision import curvature_dtype
 from kfac_optax._src.linalg.series import DampedLag

@@ -1,4 +1,4 @@
-"""The dtype of K-FAC's statistics and inverses.
+"""The dtype of K-FAC's statistics and inverses, and their products' precision.
 
 Statistics, inverses and preconditioning products are float32, or float64
 when the params are (under ``jax_enable_x64``): bfloat16 and float16 lack
@@ -9,6 +9,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+# The matmul precision of the factors' Gram products (their sums of outer
+# products): float32 on CPU, TF32 tensor-core products on GPUs, three
+# bfloat16 passes on TPUs. TF32 rounds each input by at most 2⁻¹¹ (5e-4
+# relative), as JAX's default does to the model's own float32 products on
+# those GPUs. Full float32 (HIGHEST) kept them off the tensor cores: K-FAC's
+# matmuls in a statistics step of the large transformer LM on an H200 took
+# 4.7 ms of kernels, 2.2 ms in TF32 (benchmarks/RESULTS.md, "GPU (H200):
+# summary"). TPUs' default, one bfloat16 pass (2⁻⁸ per input), would blur a
+# factor's small eigenvalues.
+STATISTICS = jax.lax.Precision.HIGH
 
 
 def curvature_dtype(params: Any) -> jnp.dtype:
