@@ -278,23 +278,22 @@ class Curvature(options.CurvatureOptions):
     all_blocks, placement = plan.all_blocks(), self._placement()
     rest = {key: all_blocks[key].damped(entry, damping)
             for key, entry in factors.rest.items()}
-    requests = [block_stacks.kronecker_core(all_blocks[group.keys[0]]).damped(
-        stack, damping) for group, stack in zip(factors.layout.groups,
-                                                factors.stacks)]
-    previous_rest, previous_stacks = ((None, [None] * len(requests))
-                                      if previous is None
-                                      else (previous.rest, list(previous.stacks)))
+    requests = tuple(block_stacks.kronecker_core(all_blocks[group.keys[0]]).damped(
+        stack, damping) for group, stack in zip(factors.layout.groups, factors.stacks))
     if placement is None:
       rest, stacks = linalg.invert_all(
           (rest, requests), method, power=power, rank=rank,
-          previous=None if previous is None else (previous_rest, previous_stacks))
-      return factors.replace(tuple(stacks), rest)
+          previous=None if previous is None else (previous.rest, previous.stacks))
+      return factors.replace(stacks, rest)
     rest = linalg.invert_all(rest, method, linalg.stack_sharding(self.mesh),
-                             power=power, previous=previous_rest, rank=rank)
+                             power=power,
+                             previous=None if previous is None else previous.rest,
+                             rank=rank)
+    invert = lambda request, start: linalg.invert_all(
+        request, method, placement, power=power, previous=start)
     stacks = []
-    for request, start in zip(requests, previous_stacks):
-      invert = lambda request, start: linalg.invert_all(
-          request, method, placement, power=power, previous=start)
+    for request, start in zip(requests, (None,) * len(requests)
+                              if previous is None else previous.stacks):
       if all(isinstance(r, linalg.Damped) for r in request) and (
           request.a.matrix.shape == request.g.matrix.shape):
         # A square layer's two stacks in one, each slot's A and G side by

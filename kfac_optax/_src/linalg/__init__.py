@@ -25,7 +25,7 @@ from kfac_optax._src.linalg.damped import mean_eigenvalue
 from kfac_optax._src.linalg.damped import pi_adjusted_damping
 from kfac_optax._src.linalg.distributed import stack_sharding
 from kfac_optax._src.linalg.distributed import StackSharding
-from kfac_optax._src.linalg.precision import STATISTICS as STATISTICS_PRECISION
+from kfac_optax._src.linalg.precision import STATISTICS_PRECISION
 from kfac_optax._src.linalg.precision import at_least_float32
 from kfac_optax._src.linalg.precision import curvature_dtype
 from kfac_optax._src.linalg.series import DampedLag

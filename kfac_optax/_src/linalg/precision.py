@@ -19,7 +19,7 @@ import jax.numpy as jnp
 # 4.7 ms of kernels, 2.2 ms in TF32 (benchmarks/RESULTS.md, "GPU (H200):
 # summary"). TPUs' default, one bfloat16 pass (2⁻⁸ per input), would blur a
 # factor's small eigenvalues.
-STATISTICS = jax.lax.Precision.HIGH
+STATISTICS_PRECISION = jax.lax.Precision.HIGH
 
 
 def curvature_dtype(params: Any) -> jnp.dtype:
