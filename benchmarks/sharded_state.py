@@ -107,7 +107,8 @@ def optimizers(model, loss, batch, **periods):
   recipe = dict(learning_rate=1e-3, damping=1e-3, stats_update_period=10,
                 inverse_update_period=50)
   return {"kfac_optax (recipe)": kfac_optax.kfac(
-              model.apply, loss, example_batch=batch, **{**recipe, **periods}),
+              getattr(model, "apply", model),  # linen's apply, or an NNX module
+              loss, example_batch=batch, **{**recipe, **periods}),
           "adamw": optax.adamw(1e-3)}
 
 
@@ -123,10 +124,10 @@ def step_fn(model, loss, tx):
   return step
 
 
-def collective_bytes(model, loss, params, batch, name):
+def collective_bytes(name, hlo_of, model, loss, batch):
   """Bytes per device per step, averaged over the recipe's schedule: the
-  step compiled with no statistics or refresh, with statistics, with both."""
-  import jax  # pylint: disable=import-outside-toplevel
+  step compiled with no statistics or refresh, with statistics, with both.
+  ``hlo_of(tx)``: the compiled step's text with optimizer ``tx``."""
   from benchmarks import collectives  # pylint: disable=import-outside-toplevel
   variants = {"plain": (NEVER, NEVER), "statistics": (1, NEVER), "both": (1, 1)}
   if name == "adamw":
@@ -135,16 +136,60 @@ def collective_bytes(model, loss, params, batch, name):
   for variant, (stats, inverses) in variants.items():
     tx = optimizers(model, loss, batch, stats_update_period=stats,
                     inverse_update_period=inverses)[name]
-    state = jax.jit(tx.init)(params)
-    compiled = jax.jit(step_fn(model, loss, tx)).lower(
-        params, state, batch, jax.random.key(0)).compile()
-    sent[variant] = collectives.step_bytes(compiled.as_text()).total()
+    sent[variant] = collectives.step_bytes(hlo_of(tx)).total()
   if name == "adamw":
     return {"per_step": sent["plain"], "plain": sent["plain"]}
   statistics = sent["statistics"] - sent["plain"]
   refresh = sent["both"] - sent["statistics"]
   return {"per_step": sent["plain"] + statistics / 10 + refresh / 50,
           "plain": sent["plain"], "statistics": statistics, "refresh": refresh}
+
+
+def linen_step_hlo(model, loss, params, batch):
+  """``tx -> `` the compiled text of `step_fn`'s step (linen, Auto axes)."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  def hlo_of(tx):
+    state = jax.jit(tx.init)(params)
+    return jax.jit(step_fn(model, loss, tx)).lower(
+        params, state, batch, jax.random.key(0)).compile().as_text()
+  return hlo_of
+
+
+def explicit_axes_collectives(mesh_shape, args, config) -> dict:
+  """`collective_bytes` of K-FAC and AdamW on the sharded example's NNX
+  `Decoder` (`examples.sharded_transformer`, same sizes as `SMALL`):
+  Explicit axes, each kernel placed by Flax's partitioning metadata, the
+  activations by ``out_sharding=``; ``nnx.Optimizer``."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import kfac_optax  # pylint: disable=import-outside-toplevel
+  from examples import sharded_transformer  # pylint: disable=import-outside-toplevel
+  mesh = jax.make_mesh(mesh_shape, ("data", "model"),
+                       devices=jax.devices()[:mesh_shape[0] * mesh_shape[1]])
+  loss = kfac_optax.losses.softmax_cross_entropy()
+  with jax.set_mesh(mesh):
+    model = sharded_transformer.Decoder(**config, rngs=nnx.Rngs(0))
+    ids = np.random.default_rng(1).integers(0, config["vocab"],
+                                            (args.batch_size, args.sequence + 1))
+    batch = jax.device_put((ids[:, :-1], ids[:, 1:]), jax.NamedSharding(mesh, jax.P("data")))
+
+  def hlo_of(tx):
+    with jax.set_mesh(mesh):
+      optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+      graphdef, state = nnx.split((model, optimizer))
+
+      def step(state, batch, key):
+        model, optimizer = nnx.merge(graphdef, state)
+        grads = nnx.grad(lambda m: loss.value(m(batch[0]), batch))(model)
+        optimizer.update(model, grads, batch=batch, rng=key)  # AdamW ignores both
+        return nnx.state((model, optimizer))
+      return jax.jit(step).lower(state, batch, jax.random.key(0)).compile().as_text()
+  params = jax.tree.leaves(nnx.state(model, nnx.Param))
+  return {"params_bytes": per_device_bytes(params, [x.sharding for x in params]),
+          "collectives": {name: collective_bytes(name, hlo_of, model, loss, batch)
+                          for name in ("kfac_optax (recipe)", "adamw")}}
 
 
 def measure_mesh(mesh_shape, args, config):
@@ -185,7 +230,8 @@ def measure_mesh(mesh_shape, args, config):
           "state_bytes_after_step": per_device_bytes(state, step_state),
           "params_bytes": per_device_bytes(params, jax.tree.map(
               lambda x: x.sharding, params)),
-          "collectives": collective_bytes(model, loss, params, batch, name),
+          "collectives": collective_bytes(name, linen_step_hlo(model, loss, params, batch),
+                                          model, loss, batch),
           "step_ms": times}
   return rows
 
@@ -242,6 +288,14 @@ def gigabytes(n) -> str:
   return f"{n / 1e9:.3f} GB"
 
 
+def collectives_cell(sent) -> str:
+  """Bytes per step (plain · statistics' part · refresh's part)."""
+  if "statistics" not in sent:
+    return f"{sent['per_step']:,.0f}"
+  return (f"{sent['per_step']:,.0f} ({sent['plain']:,} · {sent['statistics']:,}"
+          f" · {sent['refresh']:,})")
+
+
 def markdown(payload) -> str:
   lines = ["## K-FAC in a sharded job: state bytes and collectives per device",
            "", f"`{payload['command']}` ({payload['date']}; CPU, 8 simulated "
@@ -253,16 +307,29 @@ def markdown(payload) -> str:
            "|---|---|---:|---:|---:|---|---|"]
   for mesh, rows in payload["meshes"].items():
     for name, row in rows.items():
-      sent = row["collectives"]
-      parts = (f"{sent['per_step']:,.0f} ({sent['plain']:,} · {sent['statistics']:,}"
-               f" · {sent['refresh']:,})" if "statistics" in sent
-               else f"{sent['per_step']:,.0f}")
+      parts = collectives_cell(row["collectives"])
       ms = row["step_ms"]
       timing = f"{ms['as XLA places it']:.1f}" + (
           f" ({ms['replicated']:.1f})" if "replicated" in ms else "")
       lines.append(f"| {mesh} | {name} | {row['state_bytes_after_init']:,} | "
                    f"{row['params_bytes']:,} | {row['state_bytes_after_step']:,} | "
                    f"{parts} | {timing} |")
+  if payload.get("explicit"):
+    lines += ["", "Explicit axes: the same sizes as the sharded example's NNX "
+              "`Decoder` (`examples/sharded_transformer.py`: kernels placed by "
+              "`nnx.with_partitioning`, activations by `out_sharding=`, "
+              "`nnx.Optimizer`). Here K-FAC knows each gradient's layout from "
+              "its type and moves each gradient matrix to the device owning its "
+              "slot and back by all-to-all (`linalg.owner_routing`); under Auto "
+              "axes above XLA moves them, all-gathering the stacks.", "",
+              "| mesh (data × model) | optimizer | params / device | collective "
+              "bytes / step (plain · statistics · refresh) | AdamW's + 3 × params "
+              "/ device |", "|---|---|---:|---|---:|"]
+    for mesh, found in payload["explicit"].items():
+      bound = found["collectives"]["adamw"]["per_step"] + 3 * found["params_bytes"]
+      for name, sent in found["collectives"].items():
+        lines.append(f"| {mesh} | {name} | {found['params_bytes']:,} | "
+                     f"{collectives_cell(sent)} | {bound:,} |")
   if payload.get("large"):
     lines += ["", "The 1.34B configuration (" + ", ".join(
         f"{k} {v}" for k, v in LARGE.items()) + "), float32, from the compiled "
@@ -309,6 +376,8 @@ def main(argv=None):
              "batch_size": args.batch_size, "sequence": args.sequence,
              "meshes": {f"{d} × {m}": measure_mesh((d, m), args, config)
                         for d, m in meshes}}
+  payload["explicit"] = {f"{d} × {m}": explicit_axes_collectives((d, m), args, config)
+                         for d, m in meshes if d * m > 1}
   if args.large:
     payload["large"] = [run_large(n) for n in (64, 256)]
   section = markdown(payload)

@@ -14,9 +14,10 @@ A and G of a slot together:
   owner (`Layout.stack`);
 - refresh: each device inverts its own slots (`distributed.StackSharding`
   with ``gather=False``), nothing is gathered;
-- preconditioning: each block's gradient matrix ``V = [∇W; ∇b]`` joins the
-  stack of its group, split the same way, so ``A⁻¹ V G⁻¹`` is a batched
-  product on the owner; the product goes back to the params' layout.
+- preconditioning: each block's gradient matrix ``V = [∇W; ∇b]`` goes to
+  the owner of its slot, so ``A⁻¹ V G⁻¹`` is a batched product there; the
+  product goes back to the params' layout (`linalg.owner_routing` where
+  Explicit axes give the layouts, else stacked as arrays and left to XLA).
 
 Equal shapes make every slot cost the same, so equal slot counts balance the
 devices; the padding is at most one slot per device and group. Slots follow

@@ -20,6 +20,7 @@ for users who want the products themselves.
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import jax
@@ -387,11 +388,10 @@ class Curvature(options.CurvatureOptions):
       gradients = {key: block_stacks.gradient_matrix(
           plan.layers[key][1], grads(*plan.layers[key]), stack.a.dtype)
                    for key in group.keys}
-      products = kronecker.sandwich(
-          stack, block_stacks.stack_group(group, gradients, placement))
-      if placement is not None:
-        products = placement.place(products)
-      for key, product in block_stacks.unstack_group(group, products).items():
+      layouts = None if placement is None else self._matrix_layouts(plan, group, flat,
+                                                                    stack.a.dtype)
+      for key, product in self._sandwiches(group, stack, gradients, placement,
+                                           layouts).items():
         path, block = plan.layers[key]
         layer = block_stacks.matrix_leaves(block, product)
         out.update({path + (n,): leaf for n, leaf in layer.items()})
@@ -400,6 +400,52 @@ class Curvature(options.CurvatureOptions):
           matrices[FALLBACK], {k: flat[p] for k, p in plan.fallback_paths.items()})
       out.update({plan.fallback_paths[k]: v for k, v in diagonal.items()})
     return tree_paths.rebuild(treedef, out)
+
+  @staticmethod
+  def _matrix_layouts(plan: plans.Plan, group: block_stacks.Group, flat: dict,
+                      dtype) -> list[linalg.MatrixLayout] | None:
+    """How each gradient matrix of ``group`` lies on the mesh, from the
+    params' shardings under Explicit axes; None if any is unknown."""
+    layouts = []
+    for key in group.keys:
+      path, block = plan.layers[key]
+      leaves = {path + (n,): flat[path + (n,)] for n in block.param_names}
+      matrix = lambda typed, path=path, block=block: block_stacks.gradient_matrix(
+          block, {n: typed[path + (n,)] for n in block.param_names}, dtype)
+      spec = explicit_axes.params_typed_spec(matrix, leaves)
+      layout = None if spec is None else linalg.MatrixLayout.of(
+          spec, jax.eval_shape(matrix, leaves).ndim)
+      if layout is None:
+        return None
+      layouts.append(layout)
+    return layouts
+
+  @staticmethod
+  def _sandwiches(group: block_stacks.Group, stack: kronecker.KroneckerFactors,
+                  gradients: dict[str, jax.Array],
+                  placement: linalg.StackSharding | None,
+                  layouts: list[linalg.MatrixLayout] | None) -> dict[str, jax.Array]:
+    """``A⁻¹ V G⁻¹`` of each gradient matrix of ``group`` (block key ->
+    ``V`` with its leading axes), on the devices that own its slot.
+
+    Where every ``V``'s layout on the mesh is known (``layouts``: Explicit
+    axes), the matrices are moved to their owners and back by hand
+    (`linalg.owner_routing`); otherwise they are stacked as arrays, and
+    XLA moves them (all-gathering the stack)."""
+    if (layouts is not None and group.slots % placement.num_shards == 0
+        and linalg.routable(next(iter(gradients.values())).shape, placement.num_shards)):
+      flat = [gradients[key].reshape(math.prod(lead), *gradients[key].shape[len(lead):])
+              for key, _, lead in group.offsets()]
+      routed = linalg.at_owners(
+          kronecker.sandwich, stack, flat, layouts, group.slots, placement.axes,
+          placement.mesh)
+      return {key: product.reshape(gradients[key].shape)
+              for key, product in zip(group.keys, routed)}
+    products = kronecker.sandwich(
+        stack, block_stacks.stack_group(group, gradients, placement))
+    if placement is not None:
+      products = placement.place(products)
+    return block_stacks.unstack_group(group, products)
 
   def precondition(self, state: ScaleByKFACState, vector: Any) -> Any:
     """``F̂⁻¹ v`` with the stored damped inverses (``vector``: params-shaped).

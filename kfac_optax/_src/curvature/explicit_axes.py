@@ -22,6 +22,8 @@ from typing import Any, Callable, Iterator, NamedTuple
 import jax
 from jax.sharding import PartitionSpec as P
 
+from kfac_optax._src import tree_paths
+
 
 class ModelAxes(NamedTuple):
   """The user's Explicit axes, made Auto for K-FAC's update, and the
@@ -142,6 +144,36 @@ def in_model_axes(fn: Callable[..., Any], params: Any, batch: Any,
   in_sharding = (*shaped, jax.tree.map(lambda _: P(), keys))
   return jax.sharding.explicit_axes(fn, axes=found.axes, in_sharding=in_sharding)(
       params, batch, variables, keys)
+
+
+def params_typed_spec(fn: Callable[[dict], jax.Array],
+                      leaves: dict[tuple[str, ...], jax.Array]) -> P | None:
+  """The PartitionSpec the user's Explicit axes give ``fn(leaves)``, each
+  of ``leaves`` (params-shaped, by leaf path) typed as the param at its path
+  was when `update_with_auto_axes` made the axes Auto.
+
+  How a gradient matrix ``[∇W; ∇b]`` lies on the mesh, so that it can be
+  moved to its owner by hand (`linalg.owner_routing`). None outside
+  Explicit axes, or where the types name no sharding (a bias row joined to
+  a kernel whose rows are split).
+  """
+  found = _MODEL_AXES.get()
+  if found is None:
+    return None
+  specs, _ = tree_paths.flatten(found.params, is_leaf=lambda x: isinstance(x, P))
+  if not all(path in specs for path in leaves):
+    return None
+  typed = {path: jax.ShapeDtypeStruct(
+      leaf.shape, leaf.dtype, sharding=jax.sharding.NamedSharding(
+          found.mesh, _fitting(specs[path], leaf.shape, found.mesh)))
+           for path, leaf in leaves.items()}
+  try:
+    with jax.sharding.use_abstract_mesh(found.mesh):
+      return jax.eval_shape(fn, typed).sharding.spec
+  except Exception as error:  # pylint: disable=broad-exception-caught
+    if type(error).__name__ == "ShardingTypeError":  # jax's, not public
+      return None
+    raise
 
 
 def params_mesh(params: Any) -> contextlib.AbstractContextManager:

@@ -14,6 +14,8 @@ Modules, one idea each:
   stacks of similar size.
 - `distributed`: a function over a stack of matrices, split over the devices
   of a mesh.
+- `owner_routing`: matrices moved from the params' layout to the devices
+  that own their slots in such a stack, and back.
 
 The names below are what the rest of the library uses.
 """
@@ -25,6 +27,9 @@ from kfac_optax._src.linalg.damped import mean_eigenvalue
 from kfac_optax._src.linalg.damped import pi_adjusted_damping
 from kfac_optax._src.linalg.distributed import stack_sharding
 from kfac_optax._src.linalg.distributed import StackSharding
+from kfac_optax._src.linalg.owner_routing import MatrixLayout
+from kfac_optax._src.linalg.owner_routing import at_owners
+from kfac_optax._src.linalg.owner_routing import routable
 from kfac_optax._src.linalg.precision import STATISTICS_PRECISION
 from kfac_optax._src.linalg.precision import at_least_float32
 from kfac_optax._src.linalg.precision import curvature_dtype

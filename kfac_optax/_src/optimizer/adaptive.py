@@ -17,8 +17,13 @@ import optax
 
 
 def tree_dot(x: Any, y: Any) -> jax.Array:
-  """``Σ_leaves <x, y>`` in float32."""
-  return sum(jnp.vdot(a.astype(jnp.float32), b.astype(jnp.float32))
+  """``Σ_leaves <x, y>`` in float32.
+
+  An elementwise product and a sum, not ``jnp.vdot``: vdot ravels its
+  operands, which for a leaf split over two mesh axes makes XLA gather one
+  axis first; the product keeps each leaf's layout and only partial sums
+  are reduced."""
+  return sum(jnp.sum(a.astype(jnp.float32) * b.astype(jnp.float32))
              for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y)))
 
 
