@@ -25,15 +25,20 @@ def _specs(tree):
                       is_leaf=is_variable)
 
 
+def _tiny_decoder(mesh):
+  """The example's Decoder (tiny) and a batch split over "data", made under
+  ``mesh`` (call inside ``jax.set_mesh(mesh)``)."""
+  model = sharded_transformer.Decoder(width=32, depth=1, heads=4, kv_heads=2,
+                                      mlp=64, rngs=nnx.Rngs(0))
+  ids = np.arange(8 * 17).reshape(8, 17) * 7 % 256
+  return model, jax.device_put((ids[:, :-1], ids[:, 1:]), jax.NamedSharding(mesh, P("data")))
+
+
 def _train(mesh, steps=3):
   """``steps`` K-FAC steps of the example's Decoder (tiny) on ``mesh``:
   (params, their specs before and after, the K-FAC state)."""
   with jax.set_mesh(mesh):
-    model = sharded_transformer.Decoder(width=32, depth=1, heads=4, kv_heads=2,
-                                        mlp=64, rngs=nnx.Rngs(0))
-    ids = np.arange(8 * 17).reshape(8, 17) * 7 % 256
-    batch = jax.device_put((ids[:, :-1], ids[:, 1:]),
-                           jax.NamedSharding(mesh, P("data")))
+    model, batch = _tiny_decoder(mesh)
     loss = kfac_optax.losses.softmax_cross_entropy()
     tx = kfac_optax.kfac(model, loss, example_batch=batch, learning_rate=1e-2,
                          damping=1e-3, inverse_update_period=2)
@@ -88,10 +93,7 @@ def _step_collective_bytes(mesh, make_tx):
   """Per-device collective bytes of the Decoder's compiled step (tiny) on
   ``mesh``, and the optimizer state."""
   with jax.set_mesh(mesh):
-    model = sharded_transformer.Decoder(width=32, depth=1, heads=4, kv_heads=2,
-                                        mlp=64, rngs=nnx.Rngs(0))
-    ids = np.arange(8 * 17).reshape(8, 17) * 7 % 256
-    batch = jax.device_put((ids[:, :-1], ids[:, 1:]), jax.NamedSharding(mesh, P("data")))
+    model, batch = _tiny_decoder(mesh)
     loss = kfac_optax.losses.softmax_cross_entropy()
     optimizer = nnx.Optimizer(model, make_tx(model, loss, batch), wrt=nnx.Param)
     graphdef, state = nnx.split((model, optimizer))

@@ -388,8 +388,8 @@ class Curvature(options.CurvatureOptions):
       gradients = {key: block_stacks.gradient_matrix(
           plan.layers[key][1], grads(*plan.layers[key]), stack.a.dtype)
                    for key in group.keys}
-      layouts = None if placement is None else self._matrix_layouts(plan, group, flat,
-                                                                    stack.a.dtype)
+      layouts = None if placement is None else self._matrix_layouts(
+          plan, group, flat, gradients, stack.a.dtype)
       for key, product in self._sandwiches(group, stack, gradients, placement,
                                            layouts).items():
         path, block = plan.layers[key]
@@ -403,9 +403,11 @@ class Curvature(options.CurvatureOptions):
 
   @staticmethod
   def _matrix_layouts(plan: plans.Plan, group: block_stacks.Group, flat: dict,
+                      gradients: dict[str, jax.Array],
                       dtype) -> list[linalg.MatrixLayout] | None:
-    """How each gradient matrix of ``group`` lies on the mesh, from the
-    params' shardings under Explicit axes; None if any is unknown."""
+    """How each gradient matrix of ``group`` (``gradients``, from the leaves
+    in ``flat``) lies on the mesh, from the params' shardings under Explicit
+    axes; None if any is unknown."""
     layouts = []
     for key in group.keys:
       path, block = plan.layers[key]
@@ -413,8 +415,7 @@ class Curvature(options.CurvatureOptions):
       matrix = lambda typed, path=path, block=block: block_stacks.gradient_matrix(
           block, {n: typed[path + (n,)] for n in block.param_names}, dtype)
       spec = explicit_axes.params_typed_spec(matrix, leaves)
-      layout = None if spec is None else linalg.MatrixLayout.of(
-          spec, jax.eval_shape(matrix, leaves).ndim)
+      layout = None if spec is None else linalg.MatrixLayout.of(spec, gradients[key].ndim)
       if layout is None:
         return None
       layouts.append(layout)

@@ -58,11 +58,14 @@ class MatrixLayout:
     entry = lambda axes: axes or None
     return PartitionSpec(None, entry(self.rows), entry(self.cols))
 
+  def replicated(self, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """``O``: the mesh axes (of ``axes``, in their order) that split neither."""
+    return tuple(a for a in axes if a not in self.rows + self.cols)
+
   def digits(self, axes: tuple[str, ...]) -> tuple[str, ...]:
     """The mesh axes whose indices number a device's column block after
     step 1, most significant first."""
-    rest = tuple(a for a in axes if a not in self.rows + self.cols)
-    return self.cols + self.rows[::-1] + rest
+    return self.cols + self.rows[::-1] + self.replicated(axes)
 
 
 def routable(shape: tuple[int, ...], devices: int) -> bool:
@@ -123,13 +126,13 @@ def at_owners(f: Callable[[Any, jax.Array], jax.Array], owned: Any,
   def cut(x, layout):  # step 1: (k, rows / |R|, cols / |C|) -> (k, rows, cols / n)
     for a in layout.rows[::-1]:
       x = jax.lax.all_to_all(x, a, 2, 1, tiled=True)
-    for a in layout.digits(axes)[len(layout.cols) + len(layout.rows):]:
+    for a in layout.replicated(axes):
       width = x.shape[2] // sizes[a]
       x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(a) * width, width, 2)
     return x
 
   def uncut(x, layout):  # step 1 backwards
-    for a in layout.digits(axes)[len(layout.cols) + len(layout.rows):][::-1]:
+    for a in layout.replicated(axes)[::-1]:
       x = jax.lax.all_gather(x, a, axis=2, tiled=True)
     for a in layout.rows:
       x = jax.lax.all_to_all(x, a, 1, 2, tiled=True)
