@@ -59,6 +59,8 @@ def parse_args(argv=None):
   parser.add_argument("--markdown", default=None)
   parser.add_argument("--large-devices", type=int, default=None,
                       help=argparse.SUPPRESS)  # the subprocess of --large
+  parser.add_argument("--one-mesh", default=None,
+                      help=argparse.SUPPRESS)  # the subprocess of one mesh
   args = parser.parse_args(argv)
   args.steps = args.steps or (2 if args.quick else 20)
   if args.markdown is None and not args.quick:
@@ -95,6 +97,11 @@ def setting_up(config, mesh_shape, batch_size, sequence):
                                           models.FSDP_TP_RULES)
   params = jax.jit(lambda key: model.init(key, ids[:, :-1])["params"],
                    out_shardings=shardings)(jax.random.key(0))
+  # The rules in the boxes, as with_logical_partitioning(..., rules=) puts
+  # them: under Auto axes they tell K-FAC each param's layout.
+  params = jax.tree.map(
+      lambda box: box.replace(rules=models.FSDP_TP_RULES), params,
+      is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
   tokens = jax.random.randint(jax.random.key(1), ids.shape, 0, config["vocab"])
   tokens = jax.device_put(tokens, jax.sharding.NamedSharding(mesh, jax.P("data")))
   batch = (tokens[:, :-1], tokens[:, 1:])
@@ -219,9 +226,9 @@ def measure_mesh(mesh_shape, args, config):
         for i in range(2):  # the state's placement may change once: compiled twice
           p, s = jax.block_until_ready(run(p, s, batch, jax.random.key(i)))
         start = time.perf_counter()
-        for i in range(args.steps):
-          p, s = run(p, s, batch, jax.random.key(i + 1))
-        jax.block_until_ready((p, s))
+        for i in range(args.steps):  # one at a time: XLA:CPU's collectives of two
+          # executions in flight at once deadlocked 8 simulated devices on 2 cores
+          p, s = jax.block_until_ready(run(p, s, batch, jax.random.key(i + 1)))
         times[placement] = 1000 * (time.perf_counter() - start) / args.steps
       step_state = step.lower(params, state, batch, jax.random.key(0)).compile(
           ).output_shardings[1]
@@ -284,6 +291,23 @@ def run_large(devices: int) -> dict:
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def run_mesh(mesh_shape, args, tries: int = 3) -> tuple[dict, int]:
+  """`measure_mesh` in a fresh process, and how many earlier tries died:
+  XLA:CPU's collectives of 8 simulated devices on 2 cores deadlock now and
+  then in the first run of a program (it aborts after 40 s; seen at the
+  state-replicated step on 4 × 2 in about one run of three, before this
+  module's code changed too)."""
+  command = [sys.executable, os.path.abspath(__file__), "--one-mesh",
+             "x".join(map(str, mesh_shape)), "--steps", str(args.steps),
+             "--batch-size", str(args.batch_size), "--sequence", str(args.sequence),
+             *(["--quick"] if args.quick else [])]
+  for failed in range(tries):
+    out = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
+    if out.returncode == 0:
+      return json.loads(out.stdout.strip().splitlines()[-1]), failed
+  raise RuntimeError(f"{' '.join(command)} failed {tries} times:\n{out.stderr[-3000:]}")
+
+
 def gigabytes(n) -> str:
   return f"{n / 1e9:.3f} GB"
 
@@ -318,10 +342,12 @@ def markdown(payload) -> str:
     lines += ["", "Explicit axes: the same sizes as the sharded example's NNX "
               "`Decoder` (`examples/sharded_transformer.py`: kernels placed by "
               "`nnx.with_partitioning`, activations by `out_sharding=`, "
-              "`nnx.Optimizer`). Here K-FAC knows each gradient's layout from "
-              "its type and moves each gradient matrix to the device owning its "
-              "slot and back by all-to-all (`linalg.owner_routing`); under Auto "
-              "axes above XLA moves them, all-gathering the stacks.", "",
+              "`nnx.Optimizer`). K-FAC reads each gradient's layout from its "
+              "type and moves each gradient matrix to the device owning its "
+              "slot and back by all-to-all (`linalg.owner_routing`), and forms "
+              "each statistic there (`curvature/owner_statistics.py`); under "
+              "Auto axes above the layouts come from the params' logical "
+              "partitioning boxes, with the rules in them.", "",
               "| mesh (data × model) | optimizer | params / device | collective "
               "bytes / step (plain · statistics · refresh) | AdamW's + 3 × params "
               "/ device |", "|---|---|---:|---|---:|"]
@@ -345,6 +371,10 @@ def markdown(payload) -> str:
           f"{row['params_total'] / 1e9:.2f}B | {gigabytes(row['params_bytes'])} | "
           f"{gigabytes(kfac['after_init'])} · {gigabytes(kfac['after_step'])} | "
           f"{gigabytes(adamw['after_init'])} · {gigabytes(adamw['after_step'])} |")
+  if payload.get("deadlocked"):
+    lines += ["", "Runs of a mesh that XLA:CPU's collectives deadlocked (retried in "
+              "a fresh process, `run_mesh`): " + ", ".join(
+                  f"{mesh}: {n}" for mesh, n in payload["deadlocked"].items()) + "."]
   lines += ["", "Collective bytes: the per-device results of the compiled step's "
             "all-reduces, all-gathers, reduce-scatters, all-to-alls and "
             "collective-permutes (`benchmarks/collectives.py`); per step: the "
@@ -367,15 +397,20 @@ def main(argv=None):
   if args.large_devices:
     print(json.dumps(measure_large(args.large_devices)))
     return
-  from benchmarks import harness  # pylint: disable=import-outside-toplevel
   config = {**SMALL, "depth": 1} if args.quick else SMALL
+  if args.one_mesh:
+    print(json.dumps(measure_mesh(tuple(map(int, args.one_mesh.split("x"))), args,
+                                  config)))
+    return
+  from benchmarks import harness  # pylint: disable=import-outside-toplevel
   meshes = MESHES[1:2] if args.quick else MESHES
+  measured = {f"{d} × {m}": run_mesh((d, m), args) for d, m in meshes}
   payload = {"command": " ".join(["python benchmarks/sharded_state.py",
                                   *(sys.argv[1:] if argv is None else argv)]),
              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
              "batch_size": args.batch_size, "sequence": args.sequence,
-             "meshes": {f"{d} × {m}": measure_mesh((d, m), args, config)
-                        for d, m in meshes}}
+             "meshes": {mesh: rows for mesh, (rows, _) in measured.items()},
+             "deadlocked": {mesh: n for mesh, (_, n) in measured.items() if n}}
   payload["explicit"] = {f"{d} × {m}": explicit_axes_collectives((d, m), args, config)
                          for d, m in meshes if d * m > 1}
   if args.large:

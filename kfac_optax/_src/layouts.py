@@ -84,6 +84,8 @@ class DenseLayout:
     others = [a for a in range(x.ndim)
               if a not in contracted and a not in self.batch_axes]
     x = jnp.transpose(x, (*self.batch_axes, *others, *contracted))
+    if not self.batch_axes:  # in two steps, which Explicit axes' types can follow
+      return x.reshape(-1, self.in_dim)[None]
     return x.reshape(self.num_stacks, -1, self.in_dim)
 
   def output_rows(self, g: jax.Array) -> jax.Array:

@@ -8,11 +8,13 @@ A params tree may hold its arrays in boxes: ``nnx.Variable`` (an NNX model's
 box would lengthen. What it hands back, the updates and the params-shaped
 parts of its state, goes back into the boxes of what it was given (`like`),
 so that ``nn.get_partition_spec`` and ``nnx.get_partition_spec`` read the
-same names from them as from the params.
+same names from them as from the params. The boxes' names also tell K-FAC,
+under Auto mesh axes, how each param lies on the mesh (`specs`).
 """
 
 from typing import Any
 
+import flax.linen as nn
 import jax
 from flax import nnx
 from flax.core import meta
@@ -47,3 +49,24 @@ def _reboxed(box: Any, value: Any) -> Any:
     return box.replace(value)
   inner = box.unbox()
   return box.replace_boxed(_reboxed(inner, value) if _is_box(inner) else value)
+
+
+def specs(tree: Any) -> Any:
+  """Each array's PartitionSpec as its box declares it (`values`'
+  structure): an NNX Variable's sharding names, an ``nn.Partitioned`` box's
+  names, an ``nn.LogicallyPartitioned`` box's through its rules or those of
+  the context (``nn.logical_axis_rules``); None for an unboxed array or
+  logical names without rules."""
+  def spec(x):
+    if not _is_box(x):
+      return None
+    if isinstance(x, nnx.Variable):
+      metadata = x.get_metadata()
+      names = metadata.get("out_sharding") or metadata.get("sharding_names")
+    elif isinstance(x, nn.LogicallyPartitioned):
+      rules = x.rules or nn.get_logical_axis_rules()
+      names = nn.logical_to_mesh_axes(x.names, rules) if rules else None
+    else:
+      names = getattr(x, "names", None)
+    return None if names is None else jax.sharding.PartitionSpec(*names)
+  return jax.tree.map(spec, tree, is_leaf=_is_box)

@@ -23,23 +23,67 @@ def test_each_slot_is_multiplied_by_its_own_factor_on_its_owner(shape):
   rng = np.random.default_rng(0)
   rows, cols, slots = 8, 16, 16
   matrices = [rng.normal(size=(k, rows, cols)).astype(np.float32) for k in COUNTS]
-  factors = rng.normal(size=(slots, cols, cols)).astype(np.float32)
+  left = rng.normal(size=(slots, rows, rows)).astype(np.float32)
+  right = rng.normal(size=(slots, cols, cols)).astype(np.float32)
   placed = [jax.device_put(m, NamedSharding(mesh, s)) for m, s in zip(matrices, SPECS)]
-  owned = jax.device_put(factors, NamedSharding(mesh, P(("data", "model"))))
+  owned = jax.device_put((left, right), NamedSharding(mesh, P(("data", "model"))))
   layouts = [owner_routing.MatrixLayout.of(s, 3) for s in SPECS]
 
   @jax.jit
   def routed(owned, *matrices):
-    # The slot's own factor on the right: a wrong slot or column order shows.
-    return owner_routing.at_owners(lambda g, v: v @ g, owned, list(matrices),
+    # The slot's own factors on both sides: a wrong slot, row or column order shows.
+    return owner_routing.at_owners(lambda f, v: f[0] @ v @ f[1], owned, list(matrices),
                                    layouts, slots, ("data", "model"))
   with jax.set_mesh(mesh):
     results = routed(owned, *placed)
   first = np.cumsum((0,) + COUNTS)
   for matrix, result, given, start in zip(matrices, results, placed, first):
-    expected = np.einsum("krc,kcd->krd", matrix, factors[start:start + len(matrix)])
+    used = slice(start, start + len(matrix))
+    expected = left[used] @ matrix @ right[used]
     np.testing.assert_allclose(np.asarray(result), expected, rtol=1e-5, atol=1e-5)
     assert result.sharding.is_equivalent_to(given.sharding, 3)
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (8, 1)])
+def test_results_kept_on_the_owners_form_the_slots_stack(shape):
+  """Without the way back (a factor's statistics): slot t of the result is
+  the Gram of slot t's matrix, zeros in the padding, split like the slots."""
+  mesh = jax.make_mesh(shape, ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  rng = np.random.default_rng(1)
+  matrices = [rng.normal(size=(k, 8, 16)).astype(np.float32) for k in COUNTS]
+  placed = [jax.device_put(m, NamedSharding(mesh, s)) for m, s in zip(matrices, SPECS)]
+  layouts = [owner_routing.MatrixLayout.of(s, 3) for s in SPECS]
+  gram = lambda _, v: v.swapaxes(1, 2) @ v
+  with jax.set_mesh(mesh):
+    stack = jax.jit(lambda *m: owner_routing.at_owners(
+        gram, (), list(m), layouts, 16, ("data", "model"), back=False))(*placed)
+  expected = np.concatenate([gram(None, m) for m in matrices] + [np.zeros((6, 16, 16))])
+  np.testing.assert_allclose(np.asarray(stack), expected, rtol=1e-5, atol=1e-4)
+  assert stack.sharding.is_equivalent_to(NamedSharding(mesh, P(("data", "model"))), 3)
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (8, 1)])
+def test_partial_results_summed_on_the_owners(shape):
+  """`summed_at_owners`: each device's Gram of its own rows (its part of
+  rows an axis replicates), added up on the slot's owner, is the slot's
+  Gram, for rows split over one axis, two, or none."""
+  mesh = jax.make_mesh(shape, ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  specs = (P(None, "data", None), P(None, ("model", "data"), None),
+           P(None, None, None), P(None, "model", None))
+  counts = (2, 1, 3, 1)
+  rng = np.random.default_rng(2)
+  matrices = [rng.normal(size=(k, 16, 8)).astype(np.float32) for k in counts]
+  placed = [jax.device_put(m, NamedSharding(mesh, s)) for m, s in zip(matrices, specs)]
+  layouts = [owner_routing.MatrixLayout.of(s, 3) for s in specs]
+  gram = lambda v: v.swapaxes(1, 2) @ v
+  with jax.set_mesh(mesh):
+    stack = jax.jit(lambda *m: owner_routing.summed_at_owners(
+        gram, list(m), layouts, 8, ("data", "model")))(*placed)
+  expected = np.concatenate([gram(m) for m in matrices] + [np.zeros((1, 8, 8))])
+  np.testing.assert_allclose(np.asarray(stack), expected, rtol=1e-5, atol=1e-4)
+  assert stack.sharding.is_equivalent_to(NamedSharding(mesh, P(("data", "model"))), 3)
 
 
 def test_layout_of_a_spec():

@@ -153,22 +153,24 @@ def test_checkpoint_continues_on_another_mesh(restored_on, two_by_four_run,
 class PartitionedMLP(nnx.Module):
   """Kernels sharded by NNX's partitioning metadata: FSDP + tensor parallel."""
 
-  def __init__(self, rngs):
+  def __init__(self, rngs, use_bias=True):
     split = lambda *names: nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
-    self.first = nnx.Linear(16, 32, kernel_init=split("data", "model"), rngs=rngs)
-    self.last = nnx.Linear(32, 8, kernel_init=split("model", None), rngs=rngs)
+    self.first = nnx.Linear(16, 32, kernel_init=split("data", "model"), rngs=rngs,
+                            use_bias=use_bias)
+    self.last = nnx.Linear(32, 8, kernel_init=split("model", None), rngs=rngs,
+                           use_bias=use_bias)
 
   def __call__(self, x):
     return self.last(jnp.tanh(self.first(x)))
 
 
-def nnx_run(mesh):
+def nnx_run(mesh, use_bias=True):
   """Three steps of `nnx.Optimizer` with kfac on ``mesh``: (params, opt)
   (the params as placed, not copied to the host)."""
   x = jax.random.normal(jax.random.key(0), (32, 16))
   loss = kfac_optax.losses.softmax_cross_entropy()
   with jax.set_mesh(mesh):
-    model = PartitionedMLP(nnx.Rngs(0))
+    model = PartitionedMLP(nnx.Rngs(0), use_bias)
     state = nnx.state(model)
     nnx.update(model, jax.device_put(state, jax.tree.map(
         lambda spec: NamedSharding(mesh, spec), nnx.get_partition_spec(state))))
@@ -196,3 +198,20 @@ def test_nnx_optimizer_fsdp_tensor_parallel_equals_one_device():
   specs = lambda tree: [x.sharding.spec for x in jax.tree.leaves(tree)]
   assert specs(opt.opt_state.previous_update) == specs(actual) == [
       P("model"), P("data", "model"), P(), P("model")]
+
+
+def test_gradients_reach_their_owners_by_the_layouts_boxes_declare(monkeypatch):
+  """Auto axes, kernels without biases: their partitioning metadata names
+  the gradient matrices' layouts, so they go to their owners by all-to-all
+  (`linalg.at_owners`, one call per stack), and the run equals one
+  device's."""
+  from kfac_optax._src import linalg  # pylint: disable=import-outside-toplevel
+  expected, _ = nnx_run(mesh_of((1, 1)), use_bias=False)
+  routed = []
+  at_owners = linalg.at_owners
+  monkeypatch.setattr(linalg, "at_owners", lambda *a, **k: routed.append(
+      k.get("back", True)) or at_owners(*a, **k))
+  actual, _ = nnx_run(mesh_of((2, 4)), use_bias=False)
+  assert routed.count(True) == 2  # the two layers' stacks, traced once
+  assert bf.relative_error(jax.tree.map(np.asarray, actual),
+                           jax.tree.map(np.asarray, expected)) < 1e-5

@@ -43,7 +43,7 @@ class KroneckerFactors(NamedTuple):
   g: jax.Array
 
 
-def _gram(rows: jax.Array, weights: jax.Array | None = None,
+def gram(rows: jax.Array, weights: jax.Array | None = None,
           diagonal: bool = False) -> jax.Array:
   """``(S, R, d) -> (S, d, d)``: Σ_rows w r rᵀ per stack slice, float32 (or 64).
 
@@ -62,7 +62,7 @@ def output_factor(layout, output_grads, terms: losses.Terms, diagonal: bool = Fa
   for g in output_grads:  # g: (K, *output_shape); rows are K-major
     rows = layout.output_rows(g)
     weights = terms.support().row_weights(g.shape[1:], rows.shape[1] // g.shape[0])
-    total = total + _gram(rows, None if weights is None else jnp.tile(weights, g.shape[0]),
+    total = total + gram(rows, None if weights is None else jnp.tile(weights, g.shape[0]),
                           diagonal)
   return total / terms.count
 
@@ -151,8 +151,8 @@ class KroneckerBlock:
     (of ``ā²`` with ``diagonal_input``)."""
     a, num_rows = 0.0, 0.0
     for x in inputs:
-      gram, count = self._input_gram(x, terms)
-      a, num_rows = a + gram, num_rows + count
+      call_gram, count = self._input_gram(x, terms)
+      a, num_rows = a + call_gram, num_rows + count
     return a / num_rows
 
   def _rows(self, x: jax.Array) -> jax.Array:
@@ -177,7 +177,7 @@ class KroneckerBlock:
     if not getattr(self.layout, "expands_input", False):
       rows = self._rows(x)
       weights = terms.row_weights(x.shape, rows.shape[1])
-      return _gram(rows, weights, self.diagonal_input), (
+      return gram(rows, weights, self.diagonal_input), (
           rows.shape[1] if weights is None else jnp.sum(weights))
     example = jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype)
     rows_per_example = jax.eval_shape(self._rows, example).shape[1]
@@ -197,10 +197,10 @@ class KroneckerBlock:
     def add_chunk(total, chunk_data):
       xs, ws = chunk_data
       if translated:  # ws is constant within each example
-        gram = conv_gram.input_gram(self.layout, xs, ws, self.has_bias)
+        chunk_gram = conv_gram.input_gram(self.layout, xs, ws, self.has_bias)
       else:
-        gram = _gram(self._rows(xs), ws, self.diagonal_input)
-      return total + gram, None
+        chunk_gram = gram(self._rows(xs), ws, self.diagonal_input)
+      return total + chunk_gram, None
     zeros = _factor_init(self.layout.num_stacks, self.layout.in_dim + self.has_bias,
                          self.diagonal_input)[0]
     total, _ = jax.lax.scan(

@@ -11,7 +11,8 @@ device of the mesh, so each device owns ``T / devices`` consecutive slots,
 A and G of a slot together:
 
 - statistics: each block's batch estimate is reduced into its slot, on the
-  owner (`Layout.stack`);
+  owner (`Layout.stack`); under Explicit axes the owner forms it from the
+  layer's activation rows sent to it (`owner_statistics`);
 - refresh: each device inverts its own slots (`distributed.StackSharding`
   with ``gather=False``), nothing is gathered;
 - preconditioning: each block's gradient matrix ``V = [∇W; ∇b]`` goes to

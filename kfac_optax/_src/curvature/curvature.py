@@ -37,6 +37,7 @@ from kfac_optax._src.curvature import canonical_convolutions
 from kfac_optax._src.curvature import explicit_axes
 from kfac_optax._src.curvature import model_call
 from kfac_optax._src.curvature import options
+from kfac_optax._src.curvature import owner_statistics
 from kfac_optax._src.curvature import plan as plans
 from kfac_optax._src.curvature import summary
 from kfac_optax._src.curvature.state import FALLBACK
@@ -158,6 +159,16 @@ class Curvature(options.CurvatureOptions):
     """The training loss ``loss.value`` of the model on ``batch``."""
     return self.loss.value(self.forward(params, batch, variables, rng), batch)
 
+  def declared_specs(self, params: Any) -> Any:
+    """The params' PartitionSpecs as their partitioning metadata declares
+    them (`param_boxes.specs`): their boxes', else an NNX model's own
+    Variables' (None where none)."""
+    found = param_boxes.specs(params)
+    if any(spec is not None for spec in jax.tree.leaves(
+        found, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))):
+      return found
+    return getattr(self.apply_fn, "declared_specs", None)
+
   def _plan(self, params, batch, variables, mutable, what) -> plans.Plan:
     return plans.make(self.model, self.loss, self, params, batch, variables,
                       mutable, what)
@@ -246,9 +257,11 @@ class Curvature(options.CurvatureOptions):
             self.loss, outputs, batch, self.estimation, sample_key,
             self.num_samples))
 
-  def _batch_statistics(self, plan, params, batch, variables, rng):
+  def _batch_statistics(self, plan, stacks_layout, params, batch, variables, rng):
+    """Every block's batch statistics, in ``stacks_layout`` (a `BlockStacks`)."""
+    typed = {}
     captured = explicit_axes.in_model_axes(
-        functools.partial(self._capture, plan), params, batch, variables, rng)
+        functools.partial(self._capture, plan), params, batch, variables, rng, typed)
     terms = self.loss.terms(captured.outputs, batch)
     stats = {}
     for key, (path, block) in plan.layers.items():
@@ -262,7 +275,10 @@ class Curvature(options.CurvatureOptions):
                                     captured.output_grads[path], terms, **other_calls)
     if plan.fallback is not None:
       stats[FALLBACK] = plan.fallback.statistics(captured.primal_grads, terms)
-    return stats
+    placement = self._placement()
+    return owner_statistics.at_owners(
+        plan, stacks_layout.stack(stats, placement), captured, typed.get("specs"),
+        terms, placement)
 
   def _powers(self, plan, factors, damping, power, method, previous=None,
               rank=None):
@@ -348,15 +364,14 @@ class Curvature(options.CurvatureOptions):
     # Under `on_schedule`'s lax.cond, XLA:CPU would compile the capture's
     # backward convolutions as plain loops (see `canonical_convolutions`).
     batch_statistics = canonical_convolutions.canonical_convolutions(
-        functools.partial(self._batch_statistics, plan))
+        functools.partial(self._batch_statistics, plan, state.factors.layout))
 
     if rng is None:  # fresh dropout masks each step, not one fixed mask's bias
       rng = jax.random.fold_in(jax.random.key(0), state.count)
 
     def with_new_statistics(carry):
-      stats = batch_statistics(params, batch, variables, rng)
       return fold_in(self.ema_decay, *carry,
-                     state.factors.layout.stack(stats, self._placement()))
+                     batch_statistics(params, batch, variables, rng))
     factors, stats_count, rejected_statistics = on_schedule(
         self.stats_update_period, state.count, with_new_statistics,
         (state.factors, state.stats_count, state.rejected_statistics))
@@ -429,12 +444,14 @@ class Curvature(options.CurvatureOptions):
     """``A⁻¹ V G⁻¹`` of each gradient matrix of ``group`` (block key ->
     ``V`` with its leading axes), on the devices that own its slot.
 
-    Where every ``V``'s layout on the mesh is known (``layouts``: Explicit
-    axes), the matrices are moved to their owners and back by hand
-    (`linalg.owner_routing`); otherwise they are stacked as arrays, and
-    XLA moves them (all-gathering the stack)."""
+    Where every ``V``'s layout on the mesh is known (``layouts``: from the
+    types under Explicit axes, the params' boxes under Auto), the matrices
+    are moved to their owners and back by hand (`linalg.owner_routing`);
+    otherwise they are stacked as arrays, and XLA moves them
+    (all-gathering the stack)."""
     if (layouts is not None and group.slots % placement.num_shards == 0
-        and linalg.routable(next(iter(gradients.values())).shape, placement.num_shards)):
+        and linalg.routable(next(iter(gradients.values())).shape, placement.num_shards)
+        and all(set(l.rows + l.cols) <= set(placement.axes) for l in layouts)):
       flat = [gradients[key].reshape(math.prod(lead), *gradients[key].shape[len(lead):])
               for key, _, lead in group.offsets()]
       routed = linalg.at_owners(

@@ -39,6 +39,12 @@ _MODEL_AXES: contextvars.ContextVar[ModelAxes | None] = contextvars.ContextVar(
     "kfac_optax_model_axes", default=None)
 
 
+# Under Auto axes: the mesh, its axes typed Explicit, and the params' specs
+# their partitioning boxes declare (`param_boxes.specs`).
+_DECLARED: contextvars.ContextVar[tuple[jax.sharding.AbstractMesh, Any] | None] = (
+    contextvars.ContextVar("kfac_optax_declared_params", default=None))
+
+
 def _has_explicit_axes(mesh: Any) -> bool:
   return jax.sharding.AxisType.Explicit in mesh.axis_types
 
@@ -74,9 +80,19 @@ def _specs(tree: Any) -> Any:
   return jax.tree.map(spec, tree)
 
 
+def _names_axes_of(spec: Any, mesh: jax.sharding.AbstractMesh) -> bool:
+  """Whether ``spec`` is a PartitionSpec over ``mesh``'s axes."""
+  if not isinstance(spec, P):
+    return False
+  names = [a for entry in spec if entry is not None
+           for a in (entry if isinstance(entry, tuple) else (entry,))]
+  return set(names) <= set(mesh.axis_names)
+
+
 def update_with_auto_axes(make: Callable[..., Any], settings: dict[str, Any],
                           direct: Callable[..., Any], grads: Any, state: Any,
-                          params: Any, batch: Any, variables: dict, rng: Any):
+                          params: Any, batch: Any, variables: dict, rng: Any,
+                          declared: Any = None):
   """``direct(grads, state, params, batch, variables, rng)``, K-FAC's update,
   with any Explicit mesh axes made Auto.
 
@@ -85,11 +101,26 @@ def update_with_auto_axes(make: Callable[..., Any], settings: dict[str, Any],
   they are made Auto too (closed over, an array typed by Explicit axes could
   not meet the Auto ones); inside, no axis is Explicit and its update runs
   ``direct``, its model passes under the axes and shardings of the
-  arguments here (`in_model_axes`).
+  arguments here (`in_model_axes`). Under Auto axes the params' specs that
+  their partitioning metadata declares (``declared``, `param_boxes.specs`,
+  None where unknown) stand in for the types in `params_typed_spec`.
   """
   mesh = _explicit_mesh((grads, state, params, batch, variables, rng))
   if mesh is None:
-    return direct(grads, state, params, batch, variables, rng)
+    context = jax.sharding.get_abstract_mesh()
+    declared = None if context.empty else jax.tree.map(
+        lambda spec: spec if _names_axes_of(spec, context) else None, declared,
+        is_leaf=lambda x: isinstance(x, P))
+    if not any(isinstance(spec, P) for spec in jax.tree.leaves(
+        declared, is_leaf=lambda x: isinstance(x, P))):
+      return direct(grads, state, params, batch, variables, rng)
+    typed = context.update_axis_types(
+        {name: jax.sharding.AxisType.Explicit for name in context.axis_names})
+    token = _DECLARED.set((typed, declared))
+    try:
+      return direct(grads, state, params, batch, variables, rng)
+    finally:
+      _DECLARED.reset(token)
   explicit = tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
                    if kind == jax.sharding.AxisType.Explicit)
   model_axes = ModelAxes(mesh, explicit, _specs(params), _specs(batch),
@@ -124,14 +155,16 @@ def _fitting(spec: P, shape: tuple[int, ...], mesh: jax.sharding.AbstractMesh) -
 
 
 def in_model_axes(fn: Callable[..., Any], params: Any, batch: Any,
-                  variables: Any, keys: Any) -> Any:
+                  variables: Any, keys: Any, typed: dict | None = None) -> Any:
   """``fn(params, batch, variables, keys)``: a pass of the model, under the
   user's Explicit axes where `update_with_auto_axes` made them Auto.
 
   There params and variables get the shardings they came with; a batch of
   the update batch's structure gets that batch's (another, e.g.
   ``example_batch``, those its arrays have, else replicated); keys are
-  replicated. Elsewhere ``fn`` runs as it is.
+  replicated, and ``typed["specs"]`` (if given) is set to the
+  PartitionSpecs the axes gave the result (how the activations K-FAC
+  captured lie on the mesh). Elsewhere ``fn`` runs as it is.
   """
   found = _MODEL_AXES.get()
   if found is None:
@@ -142,38 +175,63 @@ def in_model_axes(fn: Callable[..., Any], params: Any, batch: Any,
       lambda spec, leaf: _fitting(spec, jax.numpy.shape(leaf), found.mesh),
       specs, (params, batch, variables), is_leaf=lambda x: isinstance(x, P))
   in_sharding = (*shaped, jax.tree.map(lambda _: P(), keys))
-  return jax.sharding.explicit_axes(fn, axes=found.axes, in_sharding=in_sharding)(
+
+  def recorded(*args):
+    result = fn(*args)
+    if typed is not None:
+      typed["specs"] = _specs(result)
+    return result
+  return jax.sharding.explicit_axes(recorded, axes=found.axes, in_sharding=in_sharding)(
       params, batch, variables, keys)
 
 
-def params_typed_spec(fn: Callable[[dict], jax.Array],
-                      leaves: dict[tuple[str, ...], jax.Array]) -> P | None:
-  """The PartitionSpec the user's Explicit axes give ``fn(leaves)``, each
-  of ``leaves`` (params-shaped, by leaf path) typed as the param at its path
-  was when `update_with_auto_axes` made the axes Auto.
-
-  How a gradient matrix ``[∇W; ∇b]`` lies on the mesh, so that it can be
-  moved to its owner by hand (`linalg.owner_routing`). None outside
-  Explicit axes, or where the types name no sharding (a bias row joined to
-  a kernel whose rows are split).
-  """
-  found = _MODEL_AXES.get()
-  if found is None:
-    return None
-  specs, _ = tree_paths.flatten(found.params, is_leaf=lambda x: isinstance(x, P))
-  if not all(path in specs for path in leaves):
-    return None
-  typed = {path: jax.ShapeDtypeStruct(
-      leaf.shape, leaf.dtype, sharding=jax.sharding.NamedSharding(
-          found.mesh, _fitting(specs[path], leaf.shape, found.mesh)))
-           for path, leaf in leaves.items()}
+def typed_spec(fn: Callable[[Any], jax.Array], arg: Any, specs: Any,
+               mesh: jax.sharding.AbstractMesh | None = None) -> P | None:
+  """The PartitionSpec the user's Explicit axes (or ``mesh``'s) give
+  ``fn(arg)``, each array of ``arg`` typed by its PartitionSpec in ``specs``
+  (a tree like ``arg``); None outside Explicit axes, or where the types name
+  no sharding (jax's ShardingTypeError)."""
+  if mesh is None:
+    found = _MODEL_AXES.get()
+    if found is None:
+      return None
+    mesh = found.mesh
+  typed = jax.tree.map(
+      lambda spec, leaf: jax.ShapeDtypeStruct(
+          leaf.shape, leaf.dtype, sharding=jax.sharding.NamedSharding(
+              mesh, _fitting(spec, leaf.shape, mesh))),
+      specs, arg, is_leaf=lambda x: isinstance(x, P))
   try:
-    with jax.sharding.use_abstract_mesh(found.mesh):
+    with jax.sharding.use_abstract_mesh(mesh):
       return jax.eval_shape(fn, typed).sharding.spec
   except Exception as error:  # pylint: disable=broad-exception-caught
     if type(error).__name__ == "ShardingTypeError":  # jax's, not public
       return None
     raise
+
+
+def params_typed_spec(fn: Callable[[dict], jax.Array],
+                      leaves: dict[tuple[str, ...], jax.Array]) -> P | None:
+  """`typed_spec` of ``fn(leaves)``, each of ``leaves`` (params-shaped, by
+  leaf path) typed as the param at its path was when `update_with_auto_axes`
+  made the axes Auto, or, under Auto axes, as its box declared it.
+
+  How a gradient matrix ``[∇W; ∇b]`` lies on the mesh, so that it can be
+  moved to its owner by hand (`linalg.owner_routing`). None where no types
+  or boxes name the params' shardings, or where the types name no sharding
+  (a bias row joined to a kernel whose rows are split).
+  """
+  found, declared = _MODEL_AXES.get(), _DECLARED.get()
+  if found is not None:
+    mesh, params = found.mesh, found.params
+  elif declared is not None:
+    mesh, params = declared
+  else:
+    return None
+  specs, _ = tree_paths.flatten(params, is_leaf=lambda x: isinstance(x, P))
+  if not all(isinstance(specs.get(path), P) for path in leaves):
+    return None
+  return typed_spec(fn, leaves, {path: specs[path] for path in leaves}, mesh)
 
 
 def params_mesh(params: Any) -> contextlib.AbstractContextManager:

@@ -30,6 +30,7 @@ from kfac_optax._src.linalg.distributed import StackSharding
 from kfac_optax._src.linalg.owner_routing import MatrixLayout
 from kfac_optax._src.linalg.owner_routing import at_owners
 from kfac_optax._src.linalg.owner_routing import routable
+from kfac_optax._src.linalg.owner_routing import summed_at_owners
 from kfac_optax._src.linalg.precision import STATISTICS_PRECISION
 from kfac_optax._src.linalg.precision import at_least_float32
 from kfac_optax._src.linalg.precision import curvature_dtype

@@ -171,6 +171,21 @@ class Captured(NamedTuple):
   other_methods: dict[str, tuple[dict, dict]]
 
 
+def abstract_output(output: jax.Array, stack: tuple[int, ...] = ()) -> jax.ShapeDtypeStruct:
+  """A layer output's perturbation, abstract: its shape and dtype behind the
+  ``stack`` axes a lifted transform adds, and the sharding Explicit mesh
+  axes give the output (see `zeros`)."""
+  sharding = getattr(jax.typeof(output), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or mesh.empty or jax.sharding.AxisType.Explicit not in mesh.axis_types:
+    sharding = None
+  else:
+    sharding = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(*[None] * len(stack), *sharding.spec))
+  return jax.ShapeDtypeStruct(stack + jax.numpy.shape(output),
+                              jax.numpy.result_type(output), sharding=sharding)
+
+
 def zeros(perturbations: Any) -> Any:
   """The zero ``kfac_perturbations`` for their abstract shapes: each with
   its layer output's sharding where Explicit mesh axes typed it, so that the

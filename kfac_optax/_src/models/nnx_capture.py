@@ -43,6 +43,7 @@ from flax import traverse_util
 import jax
 import jax.numpy as jnp
 
+from kfac_optax._src import param_boxes
 from kfac_optax._src.models import capture
 from kfac_optax._src.models import kinds
 from kfac_optax._src.models import registry
@@ -137,7 +138,7 @@ class _Recorder:
       self.lifted[(path, method, index)] = jax.ShapeDtypeStruct(
           stack + jnp.shape(captured), jnp.result_type(captured))
     self.outputs.setdefault((path, method), []).append(
-        jax.ShapeDtypeStruct(stack + jnp.shape(output), jnp.result_type(output)))
+        capture.abstract_output(output, stack))
     return output
 
   def inputs_collection(self) -> dict:
@@ -236,6 +237,9 @@ class NNXModel:
     self.graphdef, params, rng_state, other = nnx.split(model, nnx.Param,
                                                         nnx.RngState, ...)
     self.param_shapes = _shapes(params)
+    # What the params' partitioning metadata declares, for K-FAC under Auto
+    # axes: nnx.Optimizer hands the update bare arrays.
+    self.declared_specs = param_boxes.specs(params)
     self.rng_state = nnx.as_pure(rng_state)
     self.other = nnx.as_pure(other)
     self.name = type(model).__name__

@@ -226,14 +226,15 @@ def kfac(
   def update_fn(grads, state, params=None, *, batch=None, rng=None,
                 variables=None, **extra_args):
     del extra_args
-    given, grads, params = grads, param_boxes.values(grads), param_boxes.values(params)
+    given, boxed_params = grads, params
+    grads, params = param_boxes.values(grads), param_boxes.values(params)
     update_args.check(curvature.estimation, grads, batch, params, rng, "kfac")
     update_args.check_state(state, KFACState, "kfac")
     boxed_previous = state.previous_update
     delta, state = explicit_axes.update_with_auto_axes(
         kfac, settings, step, grads,
         state._replace(previous_update=param_boxes.values(boxed_previous)), params,
-        batch, dict(variables or {}), rng)
+        batch, dict(variables or {}), rng, curvature.declared_specs(boxed_params))
     return param_boxes.like(given, delta), state._replace(
         previous_update=param_boxes.like(boxed_previous, state.previous_update))
 

@@ -133,13 +133,14 @@ def scale_by_kfac(
   def update_fn(updates, state, params=None, *, batch=None, rng=None,
                 variables=None, **extra_args):
     del extra_args  # optax.chain forwards every member's keywords
+    boxed_params = params
     grads, params = param_boxes.values(updates), param_boxes.values(params)
     update_args.check(curvature.estimation, grads, batch, params, rng,
                       "scale_by_kfac")
     update_args.check_state(state, ScaleByKFACState, "scale_by_kfac")
     direction, state = explicit_axes.update_with_auto_axes(
         scale_by_kfac, settings, precondition, grads, state, params, batch,
-        dict(variables or {}), rng)
+        dict(variables or {}), rng, curvature.declared_specs(boxed_params))
     return param_boxes.like(updates, direction), state
 
   def precondition(grads, state, params, batch, variables, rng):
