@@ -23,6 +23,10 @@ ways, whichever sends less (`_gram_stack`):
   own rows (`linalg.summed_at_owners`), ``d²`` numbers a slot, which the
   owner adds up: cheaper once a device holds more rows than features.
 
+Both send the padding slots too; where few blocks fill a stack (a shallow
+model on many devices) the blocks' own statistics, whose partial Grams XLA
+all-reduces, can send less, and are kept (`_gram_stack`).
+
 ``A``'s bias row and column, ``(1/N) Σ w ā`` and ``Σ w / N = 1``, are
 reductions of ``d`` numbers a block, left to XLA.
 
@@ -115,13 +119,15 @@ def _eligible(plan, path, block, captured: capture.Captured) -> bool:
 
 def _gram_stack(group: block_stacks.Group, sides: list, placement) -> jax.Array | None:
   """One side's ``(T, d, d)`` stack of batch factors, formed on the owners;
-  None where a block's rows cannot go there.
+  None where a block's rows cannot go there, or where XLA's own way sends
+  less.
 
-  Per slot a device sends either its share of the rows, ``R d / n``
-  numbers (`linalg.at_owners`), or, where the rows' features are whole on
-  every device, its partial Gram over its own rows, ``d²``
-  (`linalg.summed_at_owners`): the smaller, the partial Grams when
-  ``d <= R / n`` (deep models' many tokens per device)."""
+  Numbers each device sends (``T`` slots, padding included; ``U`` used):
+  its share of every slot's rows, ``T R d / n`` (`linalg.at_owners`); or,
+  where the features are whole on every device, its partial Grams,
+  ``T d²`` (`linalg.summed_at_owners`), or, the blocks' own statistics,
+  whose partial Grams XLA all-reduces, about ``2 U d²``. The least, ours
+  on a tie. (With features split XLA gathers the rows: ours.)"""
   if any(side is None or side[1] is None for side in sides):
     return None
   rows, layouts = [side[0] for side in sides], [side[1] for side in sides]
@@ -129,13 +135,22 @@ def _gram_stack(group: block_stacks.Group, sides: list, placement) -> jax.Array 
     return None
   count, width = rows[0].shape[1:]
   n = placement.num_shards
-  if all(not layout.cols for layout in layouts) and count % n == 0 and width <= count // n:
-    grams = linalg.summed_at_owners(kronecker.gram, rows, layouts, group.slots,
-                                    placement.axes, placement.mesh)
-  elif linalg.routable(rows[0].shape, n):
+  whole = all(not layout.cols for layout in layouts)
+  sent = {}
+  if linalg.routable(rows[0].shape, n):
+    sent["rows"] = group.slots * count * width / n
+  if whole and count % n == 0:
+    sent["partial Grams"] = group.slots * width**2
+  if whole:
+    sent["blocks' own"] = 2 * group.used * width**2
+  way = min(sent, key=sent.get) if sent else "blocks' own"
+  if way == "rows":
     grams = linalg.at_owners(
         lambda _, full: kronecker.gram(full), (), rows, layouts, group.slots,
         placement.axes, placement.mesh, back=False)
+  elif way == "partial Grams":
+    grams = linalg.summed_at_owners(kronecker.gram, rows, layouts, group.slots,
+                                    placement.axes, placement.mesh)
   else:
     return None
   if sides[0][2] is None:
