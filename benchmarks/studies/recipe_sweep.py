@@ -24,6 +24,8 @@ From the repository root::
   python benchmarks/studies/recipe_sweep.py --workload convnet --configs \\
       "learning_rate=0.03,damping=0.01;learning_rate=0.003,damping=0.001"
   python benchmarks/studies/recipe_sweep.py --quick    # smoke test, writes nothing
+  python benchmarks/studies/recipe_sweep.py --workload transformer_lm --large  # on a
+      # GPU, against the targets of accelerator.py's race (<name>_large_gpu)
   python benchmarks/studies/recipe_sweep.py --out-dir /tmp/s --markdown /tmp/s.md  # keeps
       # RESULTS.md's section and JSON as they are
 """
@@ -78,8 +80,8 @@ def label(settings):
 
 
 def reference_run(name):
-  """The workload's last full run: targets (with the seconds of the peer
-  that set each), the recipe's mean step, the run's date."""
+  """The last full run ``name`` (a results file's stem): targets (with the
+  seconds of the peer that set each), the recipe's mean step, the run's date."""
   path = os.path.join(harness.RESULTS_DIR, f"{name}.json")
   with open(path, encoding="utf-8") as f:
     payload = json.load(f)
@@ -108,11 +110,16 @@ def main(argv=None):
                       help="RESULTS.md to update (default benchmarks/RESULTS.md)")
   parser.add_argument("--quick", action="store_true",
                       help=f"{QUICK_STEPS} steps of the small workload; writes nothing")
+  parser.add_argument("--large", action="store_true",
+                      help="the workload's large size, against the targets of "
+                      "its <name>_large run on this backend (an accelerator's)")
   args = parser.parse_args(argv)
   started = time.perf_counter()
   module, limit = WORKLOADS[args.workload], TIME_LIMITS[args.workload]
-  workload = module.workload(args.quick)
-  targets, recipe_ms, reference_date = reference_run(workload.name)
+  workload = module.workload(args.quick, large=args.large)
+  size = "_large" if args.large else ""
+  targets, recipe_ms, reference_date = reference_run(
+      f"{workload.name}{size}{harness.backend_suffix()}")
   budget = targets[-1]
   steps = QUICK_STEPS if args.quick else args.steps or math.ceil(
       1.2 * limit * budget["source_seconds"] / (recipe_ms / 1e3))
@@ -134,7 +141,7 @@ def main(argv=None):
         None if reached is None else reached * row["mean_ms"] / 1e3
         / budget["source_seconds"])
   payload = dict(
-      name=f"recipe_sweep_{workload.name}{harness.backend_suffix()}",
+      name=f"recipe_sweep_{workload.name}{size}{harness.backend_suffix()}",
       title=workload.title, workload=workload.name, limit=limit,
       command=" ".join(["python benchmarks/studies/recipe_sweep.py",
                         *(sys.argv[1:] if argv is None else argv)]),

@@ -55,18 +55,18 @@ from kfac_optax._src.curvature import explicit_axes
 from kfac_optax._src.models import capture
 
 
-def _rows_on_mesh(rows_of, array, spec, placement) -> linalg.MatrixLayout | None:
-  """How ``rows_of(array)`` lies on the mesh: as the Explicit axes type it
-  (``array`` typed by ``spec``); where no type names it (Auto axes, ``spec``
-  None; a reshape the types cannot follow), the rows split over every axis,
-  where XLA reshards them (each device sending about its share), if they
-  divide."""
+def _rows_on_mesh(rows_of, array, spec, num_rows: int,
+                  placement) -> linalg.MatrixLayout | None:
+  """How ``rows_of(array)`` (``num_rows`` rows) lies on the mesh: as the
+  Explicit axes type it (``array`` typed by ``spec``); where no type names
+  it (Auto axes, ``spec`` None; a reshape the types cannot follow), the
+  rows split over every axis, where XLA reshards them (each device sending
+  about its share), if they divide."""
   rows_spec = None if spec is None else explicit_axes.typed_spec(rows_of, array, spec)
   if rows_spec is not None:
     return linalg.MatrixLayout.of(rows_spec, 3)
-  rows = jax.eval_shape(rows_of, array).shape[1]
   return (linalg.MatrixLayout(placement.axes, ())
-          if rows % placement.num_shards == 0 else None)
+          if num_rows % placement.num_shards == 0 else None)
 
 
 def _scaled(rows: jax.Array, weights: jax.Array | None, total: Any) -> jax.Array:
@@ -94,7 +94,8 @@ def _sides(block, x, g, x_spec, g_spec, terms: losses.Terms, placement):
       mean = jnp.sum(linalg.at_least_float32(weighted), 1) / total  # (S, d)
       bias = (mean, jnp.ones(rows.shape[:1], mean.dtype))  # Σ w / N
     sides.append((_scaled(rows, weights, total),
-                  _rows_on_mesh(layout.input_rows, x, x_spec, placement), bias))
+                  _rows_on_mesh(layout.input_rows, x, x_spec, rows.shape[1], placement),
+                  bias))
   if block.diagonal_output:
     sides.append(None)
   else:
@@ -103,7 +104,8 @@ def _sides(block, x, g, x_spec, g_spec, terms: losses.Terms, placement):
     if weights is not None:
       weights = jnp.tile(weights, g.shape[0])
     sides.append((_scaled(rows, weights, terms.count),
-                  _rows_on_mesh(layout.output_rows, g, g_spec, placement), None))
+                  _rows_on_mesh(layout.output_rows, g, g_spec, rows.shape[1], placement),
+                  None))
   return sides
 
 
@@ -169,7 +171,9 @@ def at_owners(plan, stacks: block_stacks.BlockStacks, captured: capture.Captured
               placement: linalg.StackSharding | None) -> block_stacks.BlockStacks:
   """``stacks`` (the blocks' own statistics, stacked) with each side that
   can be formed on its owners so formed instead (XLA then drops the blocks'
-  own Grams of that side)."""
+  own Grams of that side). A side keeps the blocks' own statistics where
+  its stack is not eligible, or where XLA's all-reduce of their partial
+  Grams sends less than either way to the owners (`_gram_stack`)."""
   if placement is None:
     return stacks
   new = []
