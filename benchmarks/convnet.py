@@ -40,6 +40,11 @@ DEFAULTS = dict(budget_s=120.0, matched_steps=400, quick_steps=2, kfac_lr=1e-3,
                            inverse="cholesky", stats_update_period=5,
                            inverse_update_period=10),
                 adam_lrs=[1e-3, 3e-3, 1e-2], muon_adam_lr=3e-3,
+                # The run of 2026-11-27 had Muon's best at both edges of
+                # 1e-2..1e-1 (1e-2 for the 120-s loss, 1e-1 for T50) and
+                # Schedule-Free's at the top of 1e-3..1e-2.
+                muon_lrs=[3e-3, 1e-2, 3e-2, 1e-1],
+                schedule_free_lrs=[3e-3, 1e-2, 3e-2],
                 target_steps=[50, 100, 200, 400], key_target_step=200)
 # Large: 64 channels (4x the FLOPs of a step per example) and batch 2048 keep
 # a GPU busy: the best Adam step took 5.6 ms on an H200 (16 channels, batch
