@@ -51,6 +51,12 @@ def _reboxed(box: Any, value: Any) -> Any:
   return box.replace_boxed(_reboxed(inner, value) if _is_box(inner) else value)
 
 
+def declares_any(specs_tree: Any) -> bool:
+  """Whether a tree like `specs`' result holds any PartitionSpec."""
+  is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
+  return any(is_spec(x) for x in jax.tree.leaves(specs_tree, is_leaf=is_spec))
+
+
 def specs(tree: Any) -> Any:
   """Each array's PartitionSpec as its box declares it (`values`'
   structure): an NNX Variable's sharding names, an ``nn.Partitioned`` box's

@@ -44,7 +44,7 @@ class KroneckerFactors(NamedTuple):
 
 
 def gram(rows: jax.Array, weights: jax.Array | None = None,
-          diagonal: bool = False) -> jax.Array:
+         diagonal: bool = False) -> jax.Array:
   """``(S, R, d) -> (S, d, d)``: Σ_rows w r rᵀ per stack slice, float32 (or 64).
 
   With ``diagonal`` only its diagonal ``Σ_rows w r²``, ``(S, d)``.
@@ -55,15 +55,22 @@ def gram(rows: jax.Array, weights: jax.Array | None = None,
                     rows, precision=linalg.STATISTICS_PRECISION)
 
 
+def weighted_output_rows(layout, g: jax.Array, terms: losses.Terms
+                         ) -> tuple[jax.Array, jax.Array | None]:
+  """``(rows, weights)`` of one call's output gradients ``g`` (``(K,
+  *output_shape)``; rows are K-major): each row weighted by its term's mask
+  (None: all 1)."""
+  rows = layout.output_rows(g)
+  weights = terms.support().row_weights(g.shape[1:], rows.shape[1] // g.shape[0])
+  return rows, None if weights is None else jnp.tile(weights, g.shape[0])
+
+
 def output_factor(layout, output_grads, terms: losses.Terms, diagonal: bool = False):
   """G = (1/L) Σ_k Σ_rows g gᵀ over every (unmasked) row of every call
   (its diagonal only, with ``diagonal``)."""
   total = 0.0
-  for g in output_grads:  # g: (K, *output_shape); rows are K-major
-    rows = layout.output_rows(g)
-    weights = terms.support().row_weights(g.shape[1:], rows.shape[1] // g.shape[0])
-    total = total + gram(rows, None if weights is None else jnp.tile(weights, g.shape[0]),
-                          diagonal)
+  for g in output_grads:
+    total = total + gram(*weighted_output_rows(layout, g, terms), diagonal)
   return total / terms.count
 
 

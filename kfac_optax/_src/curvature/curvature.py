@@ -164,8 +164,7 @@ class Curvature(options.CurvatureOptions):
     them (`param_boxes.specs`): their boxes', else an NNX model's own
     Variables' (None where none)."""
     found = param_boxes.specs(params)
-    if any(spec is not None for spec in jax.tree.leaves(
-        found, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))):
+    if param_boxes.declares_any(found):
       return found
     return getattr(self.apply_fn, "declared_specs", None)
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import jax
 from jax.sharding import PartitionSpec as P
 
+from kfac_optax._src import param_boxes
 from kfac_optax._src import tree_paths
 
 
@@ -111,8 +112,7 @@ def update_with_auto_axes(make: Callable[..., Any], settings: dict[str, Any],
     declared = None if context.empty else jax.tree.map(
         lambda spec: spec if _names_axes_of(spec, context) else None, declared,
         is_leaf=lambda x: isinstance(x, P))
-    if not any(isinstance(spec, P) for spec in jax.tree.leaves(
-        declared, is_leaf=lambda x: isinstance(x, P))):
+    if not param_boxes.declares_any(declared):
       return direct(grads, state, params, batch, variables, rng)
     typed = context.update_axis_types(
         {name: jax.sharding.AxisType.Explicit for name in context.axis_names})

@@ -99,10 +99,7 @@ def _sides(block, x, g, x_spec, g_spec, terms: losses.Terms, placement):
   if block.diagonal_output:
     sides.append(None)
   else:
-    rows = layout.output_rows(g)
-    weights = terms.support().row_weights(g.shape[1:], rows.shape[1] // g.shape[0])
-    if weights is not None:
-      weights = jnp.tile(weights, g.shape[0])
+    rows, weights = kronecker.weighted_output_rows(layout, g, terms)
     sides.append((_scaled(rows, weights, terms.count),
                   _rows_on_mesh(layout.output_rows, g, g_spec, rows.shape[1], placement),
                   None))
