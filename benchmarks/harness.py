@@ -909,6 +909,12 @@ def payload_header(name, workload, script, argv=None):
       date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
 
 
+def run_title(workload, large, env):
+  """The workload's title, with its size and the accelerator it ran on."""
+  return (workload.title + (" (large)" if large else "")
+          + (f" on GPU ({env['accelerator']})" if env["accelerator"] else ""))
+
+
 def publish(name, payload, section, script=None, write=True,
             out_dir=RESULTS_DIR, markdown=RESULTS_MD):
   """Prints ``section``; with ``write``, saves ``payload`` as
@@ -1101,8 +1107,7 @@ def main(make_workload, goals, defaults, argv=None, script=None):
   rows, summary = summarize(contenders, records, compile_s, args.target_steps,
                             args.key_target_step, args.budget_s)
   name = workload.name + ("_large" if args.large else "") + backend_suffix()
-  title = (workload.title + (" (large)" if args.large else "")
-           + (f" on GPU ({env['accelerator']})" if env["accelerator"] else ""))
+  title = run_title(workload, args.large, env)
   payload = dict(
       name=name, title=title, description=workload.description,
       command=command, date=datetime.datetime.now(datetime.timezone.utc).strftime(

@@ -32,7 +32,8 @@ and seconds) to a PNG.
 K-FAC runs with the README's recommended settings for wall-clock speed:
 learning rate and damping 1e-3, statistics every 10 steps, inverses every
 50 (``--kfac-lr``, ``--kfac-damping``, ``--kfac-stats-period``,
-``--kfac-inverse-period``). On 2 CPU cores it reached Adam's final loss of
+``--kfac-inverse-period``; the docs' advice for language models adds
+``--kfac-lr 1e-2 --kfac-norm-constraint 1e-4``). On 2 CPU cores it reached Adam's final loss of
 the 1000 steps at step 797, in 0.81-0.83x Adam's time (two runs,
 2026-11-25). With learning rate 1e-2, damping 1e-2 and inverses every step,
 the example's settings before then: at step 716, in 1.22x Adam's time, its
@@ -88,6 +89,8 @@ def parse_args(argv=None):
   parser.add_argument("--kfac-damping", type=float, default=1e-3,
                       help="Tikhonov damping added to the Fisher")
   parser.add_argument("--kfac-momentum", type=float, default=0.9)
+  parser.add_argument("--kfac-norm-constraint", type=float, default=1e-3,
+                      help="KL bound on each step (kfac's norm_constraint)")
   parser.add_argument("--kfac-stats-period", type=int, default=10,
                       help="update K-FAC's statistics every this many steps")
   parser.add_argument("--kfac-inverse-period", type=int, default=50,
@@ -144,7 +147,8 @@ def main(argv=None):
       "K-FAC": kfac_optax.kfac(
           model.apply, loss, example_batch=example_batch,
           learning_rate=args.kfac_lr, momentum=args.kfac_momentum,
-          damping=args.kfac_damping, stats_update_period=args.kfac_stats_period,
+          norm_constraint=args.kfac_norm_constraint, damping=args.kfac_damping,
+          stats_update_period=args.kfac_stats_period,
           inverse_update_period=args.kfac_inverse_period),
       "Adam": optax.adam(args.adam_lr),
   }

@@ -142,7 +142,7 @@ def main(argv=None):
         / budget["source_seconds"])
   payload = dict(
       name=f"recipe_sweep_{workload.name}{size}{harness.backend_suffix()}",
-      title=workload.title, workload=workload.name, limit=limit,
+      title=harness.run_title(workload, args.large, env), workload=workload.name, limit=limit,
       command=" ".join(["python benchmarks/studies/recipe_sweep.py",
                         *(sys.argv[1:] if argv is None else argv)]),
       date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
