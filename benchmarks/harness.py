@@ -909,6 +909,11 @@ def payload_header(name, workload, script, argv=None):
       date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
 
 
+def run_name(workload, large):
+  """A workload's run as its results file names it: size and backend."""
+  return workload.name + ("_large" if large else "") + backend_suffix()
+
+
 def run_title(workload, large, env):
   """The workload's title, with its size and the accelerator it ran on."""
   return (workload.title + (" (large)" if large else "")
@@ -1106,7 +1111,7 @@ def main(make_workload, goals, defaults, argv=None, script=None):
                           args.log_every, load, args.budget_s))
   rows, summary = summarize(contenders, records, compile_s, args.target_steps,
                             args.key_target_step, args.budget_s)
-  name = workload.name + ("_large" if args.large else "") + backend_suffix()
+  name = run_name(workload, args.large)
   title = run_title(workload, args.large, env)
   payload = dict(
       name=name, title=title, description=workload.description,

@@ -117,9 +117,8 @@ def main(argv=None):
   started = time.perf_counter()
   module, limit = WORKLOADS[args.workload], TIME_LIMITS[args.workload]
   workload = module.workload(args.quick, large=args.large)
-  size = "_large" if args.large else ""
-  targets, recipe_ms, reference_date = reference_run(
-      f"{workload.name}{size}{harness.backend_suffix()}")
+  run = harness.run_name(workload, args.large)
+  targets, recipe_ms, reference_date = reference_run(run)
   budget = targets[-1]
   steps = QUICK_STEPS if args.quick else args.steps or math.ceil(
       1.2 * limit * budget["source_seconds"] / (recipe_ms / 1e3))
@@ -141,8 +140,9 @@ def main(argv=None):
         None if reached is None else reached * row["mean_ms"] / 1e3
         / budget["source_seconds"])
   payload = dict(
-      name=f"recipe_sweep_{workload.name}{size}{harness.backend_suffix()}",
-      title=harness.run_title(workload, args.large, env), workload=workload.name, limit=limit,
+      name=f"recipe_sweep_{run}",
+      title=harness.run_title(workload, args.large, env),
+      workload=workload.name, limit=limit,
       command=" ".join(["python benchmarks/studies/recipe_sweep.py",
                         *(sys.argv[1:] if argv is None else argv)]),
       date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -94,15 +94,15 @@ def _sides(block, x, g, x_spec, g_spec, terms: losses.Terms, placement):
       mean = jnp.sum(linalg.at_least_float32(weighted), 1) / total  # (S, d)
       bias = (mean, jnp.ones(rows.shape[:1], mean.dtype))  # Σ w / N
     sides.append((_scaled(rows, weights, total),
-                  _rows_on_mesh(layout.input_rows, x, x_spec, rows.shape[1], placement),
-                  bias))
+                  _rows_on_mesh(layout.input_rows, x, x_spec, rows.shape[1],
+                                placement), bias))
   if block.diagonal_output:
     sides.append(None)
   else:
     rows, weights = kronecker.weighted_output_rows(layout, g, terms)
     sides.append((_scaled(rows, weights, terms.count),
-                  _rows_on_mesh(layout.output_rows, g, g_spec, rows.shape[1], placement),
-                  None))
+                  _rows_on_mesh(layout.output_rows, g, g_spec, rows.shape[1],
+                                placement), None))
   return sides
 
 
