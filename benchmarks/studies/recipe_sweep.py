@@ -79,10 +79,14 @@ def label(settings):
                   or v != harness.RECIPE[k])
 
 
-def reference_run(name):
-  """The last full run ``name`` (a results file's stem): targets (with the
-  seconds of the peer that set each), the recipe's mean step, the run's date."""
+def reference_run(name, race):
+  """The last full run ``name`` (a results file's stem), which the command
+  ``race`` writes: targets (with the seconds of the peer that set each), the
+  recipe's mean step, the run's date."""
   path = os.path.join(harness.RESULTS_DIR, f"{name}.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"no {path}: the sweep's targets come from a full "
+                            f"race of the workload on this backend; run {race} first")
   with open(path, encoding="utf-8") as f:
     payload = json.load(f)
   targets = payload["summary"]["targets"]
@@ -91,7 +95,7 @@ def reference_run(name):
   recipe = payload["rows"].get(harness.RECIPE_NAME)
   if recipe is None or not payload["config"].get("budget_s"):
     raise ValueError(f"{path} has no wall-clock race with the recipe: run "
-                     f"python benchmarks/{name}.py first")
+                     f"{race} first")
   return targets, recipe["mean_ms"], payload["date"]
 
 
@@ -118,7 +122,8 @@ def main(argv=None):
   module, limit = WORKLOADS[args.workload], TIME_LIMITS[args.workload]
   workload = module.workload(args.quick, large=args.large)
   run = harness.run_name(workload, args.large)
-  targets, recipe_ms, reference_date = reference_run(run)
+  targets, recipe_ms, reference_date = reference_run(
+      run, f"python benchmarks/{args.workload}.py" + (" --large" if args.large else ""))
   budget = targets[-1]
   steps = QUICK_STEPS if args.quick else args.steps or math.ceil(
       1.2 * limit * budget["source_seconds"] / (recipe_ms / 1e3))

@@ -23,7 +23,7 @@ def test_recipe_sweep_estimates_each_candidates_time_to_the_budget_target(
              dict(label="B120s", loss=1e9, source_seconds=2.0, source="muon",
                   window=harness.BUDGET_WINDOW)]
   monkeypatch.setattr(recipe_sweep, "reference_run",
-                      lambda name: (targets, 50.0, "2026-01-01"))
+                      lambda name, race: (targets, 50.0, "2026-01-01"))
   configs = "learning_rate=0.03,damping=0.01;learning_rate=0.003,norm_constraint=None"
   result = recipe_sweep.main(["--quick", "--workload", "convnet",
                               "--configs", configs])
@@ -36,6 +36,17 @@ def test_recipe_sweep_estimates_each_candidates_time_to_the_budget_target(
     assert row["estimated_budget_time_vs_peer"] == pytest.approx(
         row["mean_ms"] / 1e3 / 2.0)
   assert "| lr=0.003 clip=None |" in recipe_sweep.markdown(result)
+
+
+def test_recipe_sweep_without_the_workloads_race_names_the_command_that_writes_it(
+    monkeypatch, tmp_path):
+  monkeypatch.setattr(harness, "RESULTS_DIR", str(tmp_path))
+  path = tmp_path / f"convnet_large{harness.backend_suffix()}.json"
+  with pytest.raises(FileNotFoundError) as error:
+    recipe_sweep.main(["--quick", "--workload", "convnet", "--large"])
+  assert str(error.value) == (
+      f"no {path}: the sweep's targets come from a full race of the workload on "
+      "this backend; run python benchmarks/convnet.py --large first")
 
 
 def test_curvature_batch_quick_mode_races_every_sub_batch():
