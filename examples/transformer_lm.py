@@ -36,9 +36,9 @@ learning rate and damping 1e-3, statistics every 10 steps, inverses every
 ``--kfac-lr 3e-2 --kfac-momentum 0.7``). On 2 CPU cores it reached
 Adam's final loss of the 1000 steps at step 797, in 0.81-0.83x Adam's time
 (two runs, 2026-11-25); with the advice at step 557, in 0.58x (validation
-loss 1.312 against Adam's 1.424; 2026-11-28). With learning rate 1e-2, damping 1e-2 and inverses every step,
-the example's settings before then: at step 716, in 1.22x Adam's time, its
-steps 1.7x Adam's.
+loss 1.312 against Adam's 1.424; 2026-11-28). With learning rate 1e-2,
+damping 1e-2 and inverses every step, the example's settings before then:
+at step 716, in 1.22x Adam's time, its steps 1.7x Adam's.
 
 From the repository root::
 
