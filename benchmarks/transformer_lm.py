@@ -9,12 +9,14 @@ characters per step. The windows start every
 them drawn without replacement each epoch). The contenders, the timing
 protocol and the report are those of `harness`; every contender but
 kfac_optax at matched settings gets 120 s of step time. kfac_optax's
-learning rate and damping are the example's; the tuned one is the recipe
-with the docs' advice for language models (learning rate 3e-2 and
-momentum 0.7 under the default KL bound, so that the bound sets every step;
-chosen by ``studies/recipe_sweep.py --workload transformer_lm`` at this
-size on CPU, over learning rates 3e-3 to 1e-1, momenta 0 to 0.95 and bounds
-1e-4 to 1e-2; the large one on a GPU was swept only at momentum 0.9).
+learning rate and damping are the example's; the tuned one is the docs'
+advice for language models (learning rate 3e-2 and momentum 0.7 under the
+default KL bound, so that the bound sets every step; damping 1e-4;
+statistics every 10 steps, inverses every 10, and both on each of the first
+10 steps; chosen by ``studies/recipe_sweep.py --workload transformer_lm`` at
+this size on CPU, over learning rates 3e-3 to 1e-1, momenta 0 to 0.95,
+bounds 1e-4 to 1e-2, damping 3e-5 to 1e-2 and warm-ups of 0 to 100 steps;
+the large one on a GPU was swept only at momentum 0.9).
 kfac-jax 0.0.8 does not run on this model (its graph matcher fails on the
 attention: ``ValueError: Incompatible shapes for broadcasting``, see
 benchmarks/STABILITY.md).
@@ -42,7 +44,9 @@ STRIDE = 4
 QUICK_WINDOWS = 64
 DEFAULTS = dict(budget_s=120.0, matched_steps=300, quick_steps=2, kfac_lr=0.01,
                 kfac_damping=1e-2,
-                tuned={**harness.RECIPE, "learning_rate": 3e-2, "momentum": 0.7},
+                tuned={**harness.RECIPE, "learning_rate": 3e-2, "momentum": 0.7,
+                       "damping": 1e-4, "inverse_update_period": 10,
+                       "curvature_warmup": 10},
                 adam_lrs=[1e-3, 3e-3, 1e-2], muon_adam_lr=3e-3,
                 # Centred on the best rates of a first run with Muon at
                 # 1e-2..1e-1 and Schedule-Free at 1e-3..1e-2, both at an edge.

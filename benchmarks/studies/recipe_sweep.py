@@ -72,7 +72,8 @@ def candidate_settings(text):
 
 def label(settings):
   short = dict(learning_rate="lr", damping="damping", norm_constraint="clip",
-               stats_update_period="stats", inverse_update_period="inverses")
+               stats_update_period="stats", inverse_update_period="inverses",
+               curvature_warmup="warm-up")
   return " ".join(f"{short.get(k, k)}={v:g}" if isinstance(v, float) else
                   f"{short.get(k, k)}={v}" for k, v in settings.items()
                   if k not in ("stats_update_period", "inverse_update_period")

@@ -35,6 +35,8 @@ SHARED = [  # (settings, message) for both transformations
     ({"ema_decay": -0.5}, "ema_decay must be in [0, 1), got -0.5"),
     ({"stats_update_period": 0}, "stats_update_period must be an int >= 1, got 0"),
     ({"stats_update_period": -3}, "stats_update_period must be an int >= 1, got -3"),
+    ({"curvature_warmup": -1}, "curvature_warmup must be an int >= 0, got -1"),
+    ({"curvature_warmup": 2.0}, "curvature_warmup must be an int >= 0, got 2.0"),
     ({"inverse_update_period": 0}, "inverse_update_period must be an int >= 1, got 0"),
     ({"inverse_update_period": 2.5},
      "inverse_update_period must be an int >= 1, got 2.5"),

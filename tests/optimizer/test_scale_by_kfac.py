@@ -113,6 +113,25 @@ def test_stats_update_period_skips_statistics():
     assert bf.relative_error(factors[0][name], expected[name]) < 1e-4
 
 
+
+def test_curvature_warmup_refreshes_every_update_then_keeps_the_periods():
+  history = states_after_updates(4, stats_update_period=3, inverse_update_period=3,
+                                 curvature_warmup=2)
+  # counts 0 and 1: warm-up; count 2: neither period due; count 3: both due.
+  assert [int(state.stats_count) for state in history] == [1, 2, 2, 3]
+  warm = history[1]
+  assert not np.allclose(warm.factors["out"].g, history[0].factors["out"].g)
+  for name in bf.LAYERS:
+    a, g = (np.asarray(f[0], np.float64) for f in warm.factors[name])
+    da, dg = bf.pi_damping(a, g, DAMPING)
+    assert bf.relative_error(warm.inverses[name].a,
+                             np.linalg.inv(a + da * np.eye(len(a)))) < 1e-3
+    assert bf.relative_error(warm.inverses[name].g,
+                             np.linalg.inv(g + dg * np.eye(len(g)))) < 1e-3
+  jax.tree.map(np.testing.assert_array_equal, history[2].factors, warm.factors)
+  jax.tree.map(np.testing.assert_array_equal, history[2].inverses, warm.inverses)
+  assert not np.allclose(history[3].inverses["out"].g, warm.inverses["out"].g)
+
 class DropoutMLP(nn.Module):
   stream: str  # the random stream of the dropout masks
 

@@ -51,16 +51,18 @@ def _all_finite(tree: Any) -> jax.Array:
       [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]))
 
 
-def on_schedule(period: Any, count: jax.Array, refresh: Callable[[Any], Any],
-                current: Any) -> Any:
-  """``refresh(current)`` when ``count % period == 0``, else ``current``.
+def on_schedule(period: Any, warmup: Any, count: jax.Array,
+                refresh: Callable[[Any], Any], current: Any) -> Any:
+  """``refresh(current)`` when ``count % period == 0`` or ``count < warmup``,
+  else ``current``.
 
   A static period of 1 skips the `lax.cond`, so XLA sees the work
   unconditionally and can share it with the user's own forward pass.
   """
   if isinstance(period, int) and period == 1:
     return refresh(current)
-  return jax.lax.cond(count % period == 0, refresh, lambda c: c, current)
+  due = (count % period == 0) | (count < warmup)
+  return jax.lax.cond(due, refresh, lambda c: c, current)
 
 
 def statistics_batch(batch: Any, size: int | None) -> Any:
@@ -372,10 +374,11 @@ class Curvature(options.CurvatureOptions):
       return fold_in(self.ema_decay, *carry,
                      batch_statistics(params, batch, variables, rng))
     factors, stats_count, rejected_statistics = on_schedule(
-        self.stats_update_period, state.count, with_new_statistics,
+        self.stats_update_period, self.curvature_warmup, state.count,
+        with_new_statistics,
         (state.factors, state.stats_count, state.rejected_statistics))
     inverses, damping, rejected_refreshes = on_schedule(
-        self.inverse_update_period, state.count,
+        self.inverse_update_period, self.curvature_warmup, state.count,
         lambda old: self._refresh_inverses(plan, factors, old, damping),
         (state.inverses, state.damping, state.rejected_refreshes))
     return state._replace(

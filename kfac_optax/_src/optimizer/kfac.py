@@ -92,6 +92,7 @@ def kfac(
     ema_decay: float = _OPTIONS.ema_decay,
     inverse_update_period: int = _OPTIONS.inverse_update_period,
     stats_update_period: int = _OPTIONS.stats_update_period,
+    curvature_warmup: int = _OPTIONS.curvature_warmup,
     estimation: str = _OPTIONS.estimation,
     inverse: str = _OPTIONS.inverse,
     num_samples: int = _OPTIONS.num_samples,

@@ -35,6 +35,7 @@ def scale_by_kfac(
     ema_decay: float = _OPTIONS.ema_decay,
     inverse_update_period: int = _OPTIONS.inverse_update_period,
     stats_update_period: int = _OPTIONS.stats_update_period,
+    curvature_warmup: int = _OPTIONS.curvature_warmup,
     estimation: str = _OPTIONS.estimation,
     inverse: str = _OPTIONS.inverse,
     num_samples: int = _OPTIONS.num_samples,
@@ -70,7 +71,8 @@ def scale_by_kfac(
   debiased EMAs of batch estimates (equal to the batch estimate after the
   first statistics update). Statistics are folded in when
   ``count % stats_update_period == 0``, then inverses are refreshed when
-  ``count % inverse_update_period == 0``; both on the first update.
+  ``count % inverse_update_period == 0``; both on the first update and on
+  every update while ``count < curvature_warmup``.
 
   The returned direction has no learning rate: chain it with momentum and
   ``-learning_rate`` (see `kfac`), or any optax transforms.
