@@ -200,7 +200,8 @@ def test_inject_hyperparams_static_args():
           APPLY, LOSS, example_batch=BATCH, estimation="empirical")
   state = minimal.init(PARAMS)
   assert set(state.hyperparams) == {
-      "damping", "ema_decay", "inverse_update_period", "stats_update_period"}
+      "damping", "ema_decay", "inverse_update_period", "stats_update_period",
+      "curvature_warmup"}
   with pytest.raises(ValueError, match="static_args"):
     optax.inject_hyperparams(
         kfac_optax.scale_by_kfac, static_args=("apply_fn",))(
