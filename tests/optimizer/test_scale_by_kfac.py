@@ -86,19 +86,26 @@ def states_after_updates(num_updates, **kwargs):
   return states[1:]
 
 
+def assert_inverses_of_own_factors(state):
+  """Every layer's inverses in ``state`` are the brute-force π-damped
+  inverses of its factors in ``state`` (a refresh from that step's statistics)."""
+  for name in bf.LAYERS:
+    a, g = (np.asarray(f[0], np.float64) for f in state.factors[name])
+    da, dg = bf.pi_damping(a, g, DAMPING)
+    expected_a = np.linalg.inv(a + da * np.eye(len(a)))
+    expected_g = np.linalg.inv(g + dg * np.eye(len(g)))
+    assert bf.relative_error(state.inverses[name].a, expected_a) < 1e-3
+    assert bf.relative_error(state.inverses[name].g, expected_g) < 1e-3
+
+
 def test_inverse_update_period_keeps_inverses_between_refreshes():
   history = states_after_updates(4, inverse_update_period=3)
   for later in history[1:3]:  # counts 1 and 2: last inverse reused
     jax.tree.map(np.testing.assert_array_equal, later.inverses, history[0].inverses)
     assert not np.allclose(later.factors["out"].g, history[0].factors["out"].g)
   refreshed = history[3]  # count 3: recomputed from the statistics of then
+  assert_inverses_of_own_factors(refreshed)
   for name in bf.LAYERS:
-    a, g = (np.asarray(f[0], np.float64) for f in refreshed.factors[name])
-    da, dg = bf.pi_damping(a, g, DAMPING)
-    expected_a = np.linalg.inv(a + da * np.eye(len(a)))
-    expected_g = np.linalg.inv(g + dg * np.eye(len(g)))
-    assert bf.relative_error(refreshed.inverses[name].a, expected_a) < 1e-3
-    assert bf.relative_error(refreshed.inverses[name].g, expected_g) < 1e-3
     assert not np.allclose(refreshed.inverses[name].a, history[0].inverses[name].a)
 
 
@@ -113,7 +120,6 @@ def test_stats_update_period_skips_statistics():
     assert bf.relative_error(factors[0][name], expected[name]) < 1e-4
 
 
-
 def test_curvature_warmup_refreshes_every_update_then_keeps_the_periods():
   history = states_after_updates(4, stats_update_period=3, inverse_update_period=3,
                                  curvature_warmup=2)
@@ -121,16 +127,11 @@ def test_curvature_warmup_refreshes_every_update_then_keeps_the_periods():
   assert [int(state.stats_count) for state in history] == [1, 2, 2, 3]
   warm = history[1]
   assert not np.allclose(warm.factors["out"].g, history[0].factors["out"].g)
-  for name in bf.LAYERS:
-    a, g = (np.asarray(f[0], np.float64) for f in warm.factors[name])
-    da, dg = bf.pi_damping(a, g, DAMPING)
-    assert bf.relative_error(warm.inverses[name].a,
-                             np.linalg.inv(a + da * np.eye(len(a)))) < 1e-3
-    assert bf.relative_error(warm.inverses[name].g,
-                             np.linalg.inv(g + dg * np.eye(len(g)))) < 1e-3
+  assert_inverses_of_own_factors(warm)
   jax.tree.map(np.testing.assert_array_equal, history[2].factors, warm.factors)
   jax.tree.map(np.testing.assert_array_equal, history[2].inverses, warm.inverses)
   assert not np.allclose(history[3].inverses["out"].g, warm.inverses["out"].g)
+
 
 class DropoutMLP(nn.Module):
   stream: str  # the random stream of the dropout masks
