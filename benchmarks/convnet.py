@@ -8,9 +8,10 @@ report are those of `harness`. kfac_optax's learning rate and damping are the
 example's (from its sweep). The tuned kfac_optax is the docs' conv-net
 advice: the recipe with learning rate 3e-3, momentum 0.7, damping 3e-4,
 inverses every 10 steps and both statistics and inverses on each of the
-first 10 (lower momentum let a higher rate, and the warm-up and lower
+first 5 (lower momentum let a higher rate, and the warm-up and lower
 damping let the first steps, reach the early targets in fewer steps in
-`studies/recipe_sweep.py`, RESULTS.md "Against the peers"). kfac-jax's step
+`studies/recipe_sweep.py`; a 10-step warm-up took fewer steps but more
+time to the first target: RESULTS.md "Against the peers"). kfac-jax's step
 is ~60x Adam's on this model (3.5 s at batch 128 on 2 cores), so its two
 contenders run 10 steps per timed run (``--kfac-jax-steps``): enough for
 step times, not for its loss curve. kfac_optax at the matched settings runs
@@ -40,7 +41,7 @@ DEFAULTS = dict(budget_s=120.0, matched_steps=400, quick_steps=2, kfac_lr=1e-3,
                 kfac_damping=1e-3, kfac_jax_steps=10,
                 tuned={**harness.RECIPE, "learning_rate": 3e-3, "momentum": 0.7,
                        "damping": 3e-4, "inverse_update_period": 10,
-                       "curvature_warmup": 10},
+                       "curvature_warmup": 5},
                 adam_lrs=[1e-3, 3e-3, 1e-2], muon_adam_lr=3e-3,
                 # The run of 2026-11-27 had Muon's best at both edges of
                 # 1e-2..1e-1 (1e-2 for the 120-s loss, 1e-1 for T50) and
