@@ -22,7 +22,7 @@ statistics from the first quarter of each batch (``curvature_batch_size``
 
 From the repository root::
 
-  python benchmarks/autoencoder.py           # full run, ~15 min on 2 CPU cores
+  python benchmarks/autoencoder.py           # full run, ~30 min on 2 CPU cores
   python benchmarks/autoencoder.py --quick   # smoke test: every contender runs
 """
 

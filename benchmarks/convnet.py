@@ -20,7 +20,7 @@ step times, not for its loss curve. kfac_optax at the matched settings runs
 
 From the repository root::
 
-  python benchmarks/convnet.py           # full run, ~12 min on 2 CPU cores
+  python benchmarks/convnet.py           # full run, ~28 min on 2 CPU cores
   python benchmarks/convnet.py --quick   # smoke test: every contender runs
 """
 

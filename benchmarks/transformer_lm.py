@@ -23,7 +23,7 @@ benchmarks/STABILITY.md).
 
 From the repository root::
 
-  python benchmarks/transformer_lm.py           # full run, ~12 min on 2 CPU cores
+  python benchmarks/transformer_lm.py           # full run, ~25 min on 2 CPU cores
   python benchmarks/transformer_lm.py --quick   # smoke test: every contender runs
 """
 
