@@ -131,6 +131,41 @@ def test_unthreaded_scan_layers_can_take_the_diagonal_block():
       "stack/dense/kernel", "stack/dense/bias", "stack/norm/scale", "stack/norm/bias"}
 
 
+class SharedOverTime(nn.Module):
+  """An LSTM scanned over time with its weights shared, as Flax's sst2
+  example writes it; ``variable_axes`` for K-FAC's collections."""
+  variable_axes: dict
+
+  @nn.compact
+  def __call__(self, x):
+    cell = nn.scan(nn.OptimizedLSTMCell, variable_broadcast="params",
+                   variable_axes=self.variable_axes, split_rngs={"params": False},
+                   in_axes=1, out_axes=1)(4, name="lstm")
+    carry = nn.OptimizedLSTMCell(4, parent=None).initialize_carry(
+        jax.random.key(0), x[:, 0].shape)
+    _, h = cell(carry, x)
+    return nn.Dense(3, name="head")(h[:, -1])
+
+
+def test_the_advice_for_weights_shared_over_a_scan_makes_them_blocks():
+  x = jax.random.normal(jax.random.key(0), (6, 5, 2))
+  batch = (x, jnp.arange(6) % 3)
+  params = SharedOverTime({}).init(jax.random.key(1), x)["params"]
+  unthreaded = kfac_optax.scale_by_kfac(SharedOverTime({}).apply, LOSS,
+                                        example_batch=batch)
+  with pytest.raises(ValueError, match="runs inside a flax lifted transform") as error:
+    unthreaded.init(params)
+  advice = ("for weights shared over a scan's steps nn.scan(..., "
+            "variable_broadcast='params', variable_axes={'kfac_inputs': 0, "
+            "'kfac_perturbations': 0})")
+  assert advice in str(error.value)
+  model = SharedOverTime({"kfac_inputs": 0, "kfac_perturbations": 0})
+  tx = kfac_optax.scale_by_kfac(model.apply, LOSS, example_batch=batch)
+  state = tx.init(params)
+  assert set(state.factors) == {"lstm/ii", "lstm/if", "lstm/ig", "lstm/io",
+                                "lstm/hi", "lstm/hf", "lstm/hg", "lstm/ho", "head"}
+
+
 class Member(nn.Module):
 
   @nn.compact

@@ -240,7 +240,10 @@ def not_threaded_error(path: Path) -> ValueError:
       "nn.vmap, ...) that does not carry K-FAC's collections, so its inputs "
       "and output gradients cannot be captured. "
       f"Add {{{INPUTS!r}: 0, {PERTURBATIONS!r}: 0}} to that transform's "
-      f"variable_axes, e.g. nn.scan(..., variable_axes={{'params': 0, "
-      f"{INPUTS!r}: 0, {PERTURBATIONS!r}: 0}}), or give the layers under it "
-      f"the diagonal block, e.g. layer_overrides={{{pattern!r}: 'diagonal'}} "
-      "(a pattern that matches every one of them).")
+      "variable_axes and keep its params as they are: for a stack of layers "
+      f"nn.scan(..., variable_axes={{'params': 0, {INPUTS!r}: 0, "
+      f"{PERTURBATIONS!r}: 0}}), for weights shared over a scan's steps "
+      f"nn.scan(..., variable_broadcast='params', variable_axes={{{INPUTS!r}: 0, "
+      f"{PERTURBATIONS!r}: 0}}) (nn.RNN(cell, variable_axes=...) likewise); or "
+      f"give the layers under it the diagonal block, e.g. layer_overrides="
+      f"{{{pattern!r}: 'diagonal'}} (a pattern that matches every one of them).")
