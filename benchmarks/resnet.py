@@ -20,7 +20,8 @@ each of the first 5 (`studies/recipe_sweep.py --workload resnet`,
 2026-11-28: with them the targets of steps 50 and 200 took 54 and 129
 steps against 77 and 157 with the earlier wide-convolution advice,
 statistics every 20 steps and inverses every 100 at rank 32, whose steps
-were 8% cheaper). kfac-jax is not run: the harness does not carry
+were 8% cheaper), and a KL bound of 1e-2 (a later sweep: the 16:22
+race's step-200 loss in 159 steps against more than 200 with 1e-3). kfac-jax is not run: the harness does not carry
 BatchNorm state through it (its convolution cost is in the convnet
 benchmark: ~60x Adam).
 
@@ -55,7 +56,8 @@ DEFAULTS = dict(budget_s=120.0, matched_steps=150, quick_steps=2, kfac_lr=0.03,
                 schedule_free_lrs=[1e-3, 3e-3, 1e-2, 3e-2],
                 target_steps=[50, 100, 200, 400], key_target_step=100,
                 tuned={**harness.RECIPE, "curvature_batch_size": 32,
-                       "inverse_update_period": 10, "curvature_warmup": 5})
+                       "inverse_update_period": 10, "curvature_warmup": 5,
+                       "norm_constraint": 1e-2})
 GOALS = (
     harness.Goal("mean ms/step / best Adam's, README settings", "mean_vs_adam",
                  3.0, (harness.RECIPE_NAME, harness.TUNED_NAME)),
