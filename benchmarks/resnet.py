@@ -21,8 +21,8 @@ each of the first 5 (`studies/recipe_sweep.py --workload resnet`,
 steps against 77 and 157 with the earlier wide-convolution advice,
 statistics every 20 steps and inverses every 100 at rank 32, whose steps
 were 8% cheaper), and a KL bound of 1e-2 (a later sweep: the 16:22
-race's step-200 loss in 159 steps against more than 200 with 1e-3). kfac-jax is not run: the harness does not carry
-BatchNorm state through it (its convolution cost is in the convnet
+race's step-200 loss in 159 steps against more than 200 with 1e-3).
+kfac-jax is not run: the harness does not carry BatchNorm state through it (its convolution cost is in the convnet
 benchmark: ~60x Adam).
 
 From the repository root::
