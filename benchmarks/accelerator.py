@@ -13,11 +13,12 @@ writes its ``<name>_large_gpu`` JSON, plot and RESULTS.md section as its
 script does. Then, if time is left, the step profile of the large
 transformer LM (``studies/step_profile.py --large``, XLA's CUDA graphs off so
 that the profile names every op). A workload that would start after
-``--deadline-s`` is skipped, and the summary says so.
+``--deadline-s`` is skipped, one still running then is stopped, and the
+summary says so.
 
 From the repository root, on the GPU machine::
 
-  python benchmarks/accelerator.py              # races 7.6 min on an H200 (2026-11-27)
+  python benchmarks/accelerator.py              # races 7.6-8.3 min on an H200 (2026-11-27, 28)
   python benchmarks/accelerator.py --quick      # the quick sizes, on any backend
 """
 
@@ -62,7 +63,7 @@ def main(argv=None):
   parser.add_argument("--budget-s", type=float, default=4.0,
                       help="seconds of step time per contender")
   parser.add_argument("--deadline-s", type=float, default=575.0,
-                      help="no workload starts after this many seconds")
+                      help="no workload starts or runs on after this many seconds")
   parser.add_argument("--quick", action="store_true",
                       help="the workloads' quick sizes (writes nothing)")
   parser.add_argument("--workloads", default=",".join(WORKLOADS))
