@@ -57,7 +57,12 @@ DEFAULTS = dict(budget_s=120.0, matched_steps=150, quick_steps=2, kfac_lr=0.03,
                 target_steps=[50, 100, 200, 400], key_target_step=100,
                 tuned={**harness.RECIPE, "curvature_batch_size": 32,
                        "inverse_update_period": 10, "curvature_warmup": 5,
-                       "norm_constraint": 1e-2})
+                       "norm_constraint": 1e-2},
+                # The H200 race of 2026-11-28: Adam's best was 3e-4 and Muon's
+                # 3e-3, the bottoms of their grids (Muon's 1e-2 in the two
+                # runs before); Muon's other params follow Adam's best.
+                large=dict(adam_lrs=[1e-4, 3e-4, 1e-3], muon_adam_lr=3e-4,
+                           muon_lrs=[1e-3, 3e-3, 1e-2, 3e-2]))
 GOALS = (
     harness.Goal("mean ms/step / best Adam's, README settings", "mean_vs_adam",
                  3.0, (harness.RECIPE_NAME, harness.TUNED_NAME)),

@@ -51,7 +51,10 @@ DEFAULTS = dict(budget_s=120.0, matched_steps=300, quick_steps=2, kfac_lr=0.01,
                 # Centred on the best rates of a first run with Muon at
                 # 1e-2..1e-1 and Schedule-Free at 1e-3..1e-2, both at an edge.
                 muon_lrs=[3e-3, 1e-2, 3e-2], schedule_free_lrs=[3e-3, 1e-2, 3e-2],
-                target_steps=[100, 200, 400, 800], key_target_step=400)
+                target_steps=[100, 200, 400, 800], key_target_step=400,
+                # The H200 race of 2026-11-28: Adam's best was 1e-3, the
+                # bottom of 1e-3..1e-2; Muon's other params follow it.
+                large=dict(adam_lrs=[3e-4, 1e-3, 3e-3], muon_adam_lr=1e-3))
 # Large: the size class of the sharded-models example's decoder (4 blocks,
 # width 256, 8 heads, 256 characters, batch 32: 8192 tokens a step; the best
 # Adam step took 5.9 ms on an H200).
