@@ -6,8 +6,8 @@ workload's ``--large``: batch and model grown until the best Adam's step
 takes 4-9 ms on an H200, so that the device, not the host, sets the pace),
 K-FAC (the README's recipe and the workload's tuned settings) against Adam
 and Muon at their grids of learning rates, ``--budget-s`` seconds of step
-time each. Schedule-Free AdamW and the contenders paired with kfac-jax are
-left out to fit the time; the CPU races have them. Each workload runs in
+time each. Schedule-Free AdamW, PSGD Kron, Shampoo and the contenders
+paired with kfac-jax are left out to fit the time; the CPU races have them. Each workload runs in
 its own process (a crash or an out-of-memory ends that workload only) and
 writes its ``<name>_large_gpu`` JSON, plot and RESULTS.md section as its
 script does. Then, if time is left, the step profile of the large
@@ -31,7 +31,8 @@ import time
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOADS = ("transformer_lm", "autoencoder", "convnet", "resnet")
 RACE_FLAGS = ["--no-matched", "--no-adaptive", "--kfac-jax", "skip",
-              "--schedule-free-lrs", "none", "--log-every", "0"]
+              "--schedule-free-lrs", "none", "--psgd-kron-lrs", "none",
+              "--shampoo-lrs", "none", "--log-every", "0"]
 # JAX 0.11.2's XLA aborted compiling ResNet's K-FAC step on an H200 in its
 # Triton GEMM fusion pass ("triton_tiling_propagation.cc:703 Check failed:
 # subdim_size_accumulator == dim_size"); without Triton GEMMs it compiles.

@@ -14,7 +14,9 @@ Everything else is here, so that every workload is measured the same way:
   would write, `muon_dimension_numbers`; the other params on Adam at the
   workload's best Adam rate) and Schedule-Free AdamW
   (``optax.contrib.schedule_free_adamw``; its loss is taken at the point
-  its gradient is, as for every contender); kfac-jax with matched settings
+  its gradient is, as for every contender); the Kronecker-factored peers
+  PSGD Kron and Distributed Shampoo where they run (`optional_peers`; they
+  set no target); kfac-jax with matched settings
   (same learning rate, momentum, damping, curvature EMA, inverse period and
   estimation mode) and with its adaptive learning rate, momentum and damping
   as in its own autoencoder example. kfac-jax is optional:
@@ -75,6 +77,7 @@ import kfac_optax
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a script: make `examples` importable
   sys.path.insert(0, REPO_ROOT)
+from benchmarks import optional_peers  # pylint: disable=wrong-import-position
 from examples import side_by_side  # pylint: disable=wrong-import-position
 from examples.cpu_threads import single_threaded_lapack  # pylint: disable=wrong-import-position
 
@@ -321,6 +324,27 @@ def peer_contenders(workload, args, step, params, model_state=None):
                           factories[family](lr), dict(learning_rate=lr),
                           workload, step, model_state)
           for family in PEER_FAMILIES for lr in grids[family]]
+
+
+def optional_contenders(workload, args, step, model_state=None):
+  """PSGD Kron and Shampoo at their grids, where they run on ``workload``
+  (`optional_peers`: imported, then probed in a child process);
+  ``(contenders, {family: why not})``."""
+  contenders, unavailable = [], {}
+  for family in optional_peers.FAMILIES:
+    rates = getattr(args, f"{family}_lrs")
+    if not rates:
+      continue
+    make, reason = optional_peers.load(family)
+    reason = reason or optional_peers.probe(workload.name, family, rates[0],
+                                            args.large)
+    if reason:
+      unavailable[family] = reason
+      continue
+    contenders += [optax_contender(f"{family.replace('_', '-')} lr={lr:g}",
+                                   family, make(lr), dict(learning_rate=lr),
+                                   workload, step, model_state) for lr in rates]
+  return contenders, unavailable
 
 
 def backend_suffix() -> str:
@@ -769,7 +793,8 @@ def environment():
       devices=[str(d) for d in jax.devices()], blas=blas,
       xla_flags=os.environ.get("XLA_FLAGS", ""),
       versions={name: version(name) for name in (
-          "jax", "jaxlib", "flax", "optax", "numpy", "kfac-jax", "kfac_optax")})
+          "jax", "jaxlib", "flax", "optax", "numpy", "kfac-jax", "kfac_optax",
+          "distributed-kron", "precondition-opt")})
 
 
 def jsonable(value):
@@ -861,6 +886,8 @@ def markdown_section(payload):
   ]
   if payload["kfac_jax_unavailable"]:
     lines.append(f"- **kfac-jax not run:** {payload['kfac_jax_unavailable']}")
+  lines += [f"- **{family.replace('_', '-')} not run:** {reason}" for family, reason
+            in payload.get("optional_unavailable", {}).items()]
   lines += [f"- **{name} failed:** `{error}`"
             for name, error in payload["failed"].items()]
   header = ["contender", "median ms/step", "mean ms/step", "compile s",
@@ -1009,6 +1036,12 @@ def parse_args(argv, defaults: dict, description: str):
                       "rate for the params Muon leaves to it (default: the "
                       "workload's best Adam rate)")
   parser.add_argument("--schedule-free-lrs", type=rates, default=[1e-3, 3e-3, 1e-2])
+  parser.add_argument("--psgd-kron-lrs", type=rates, help="PSGD Kron's rates "
+                      "(default: a third of --muon-adam-lr, its authors' advice "
+                      "against Adam's; none with --quick)")
+  parser.add_argument("--shampoo-lrs", type=rates, help="Distributed "
+                      "Shampoo's rates (default: --muon-adam-lr, its step "
+                      "grafted onto AdaGrad's; none with --quick)")
   parser.add_argument("--large", action="store_true", help="the workload's "
                       "large size (an accelerator's: its best Adam step "
                       ">= 5 ms on a GPU), results under <name>_large")
@@ -1031,10 +1064,15 @@ def parse_args(argv, defaults: dict, description: str):
     args = parser.parse_args(argv)
   if args.muon_adam_lr is None:
     raise ValueError("the workload's defaults need muon_adam_lr")
+  if args.psgd_kron_lrs is None:
+    args.psgd_kron_lrs = [args.muon_adam_lr / 3]
+  if args.shampoo_lrs is None:
+    args.shampoo_lrs = [args.muon_adam_lr]
   if args.quick:  # one rate of each peer: the others differ only in a number
     args.steps, args.repeats = defaults["quick_steps"], 1
     args.adam_lrs, args.muon_lrs = args.adam_lrs[:1], args.muon_lrs[:1]
     args.schedule_free_lrs = args.schedule_free_lrs[:1]
+    args.psgd_kron_lrs, args.shampoo_lrs = [], []
     args.kfac_jax_steps, args.log_every, args.budget_s = None, 0, None
     args.target_steps = sorted({min(s, args.steps) for s in args.target_steps})
     args.key_target_step = args.target_steps[-1]
@@ -1094,6 +1132,11 @@ def main(make_workload, goals, defaults, argv=None, script=None):
   if unavailable:
     print(f"NOTE: kfac-jax not run: {unavailable}", flush=True)
   contenders = make_contenders(workload, args, kfac_jax, params, model_state)
+  optional, optional_unavailable = optional_contenders(
+      workload, args, train_step(workload), model_state)
+  contenders += optional
+  for family, reason in optional_unavailable.items():
+    print(f"NOTE: {family} not run: {reason}", flush=True)
   batches = Batches(workload, args.seed)
   load = LoadSampler()
   with single_threaded_lapack():
@@ -1122,7 +1165,8 @@ def main(make_workload, goals, defaults, argv=None, script=None):
                   batch_size=workload.batch_size,
                   num_examples=workload.num_examples, seed=args.seed,
                   quick=args.quick, warmup_steps=WARMUP_STEPS),
-      kfac_jax_unavailable=unavailable, failed=failed, rows=rows,
+      kfac_jax_unavailable=unavailable,
+      optional_unavailable=optional_unavailable, failed=failed, rows=rows,
       summary=summary, goals=check_goals(goals, rows))
   if args.out_dir:
     save_plot(os.path.join(args.out_dir, f"{name}.png"), rows,
