@@ -305,6 +305,20 @@ def muon_dimension_numbers(params):
   return jax.tree_util.tree_map_with_path(dims, params)
 
 
+def family_label(family):
+  """How reports name an optimizer family (``schedule_free_adamw`` ->
+  ``schedule-free-adamw``)."""
+  return family.replace("_", "-")
+
+
+def rate_grid(family, make, rates, workload, step, model_state=None):
+  """``family``'s contenders, one per learning rate of ``rates``, each
+  training with ``make(rate)`` by ``step``."""
+  return [optax_contender(f"{family_label(family)} lr={lr:g}", family, make(lr),
+                          dict(learning_rate=lr), workload, step, model_state)
+          for lr in rates]
+
+
 def peer_contenders(workload, args, step, params, model_state=None):
   """Adam, Muon and Schedule-Free AdamW, each at its grid of learning rates.
 
@@ -320,10 +334,9 @@ def peer_contenders(workload, args, step, params, model_state=None):
       schedule_free_adamw=optax.contrib.schedule_free_adamw)
   grids = dict(adam=args.adam_lrs, muon=args.muon_lrs,
                schedule_free_adamw=args.schedule_free_lrs)
-  return [optax_contender(f"{family.replace('_', '-')} lr={lr:g}", family,
-                          factories[family](lr), dict(learning_rate=lr),
-                          workload, step, model_state)
-          for family in PEER_FAMILIES for lr in grids[family]]
+  return [contender for family in PEER_FAMILIES
+          for contender in rate_grid(family, factories[family], grids[family],
+                                     workload, step, model_state)]
 
 
 def optional_contenders(workload, args, step, model_state=None):
@@ -341,9 +354,7 @@ def optional_contenders(workload, args, step, model_state=None):
     if reason:
       unavailable[family] = reason
       continue
-    contenders += [optax_contender(f"{family.replace('_', '-')} lr={lr:g}",
-                                   family, make(lr), dict(learning_rate=lr),
-                                   workload, step, model_state) for lr in rates]
+    contenders += rate_grid(family, make, rates, workload, step, model_state)
   return contenders, unavailable
 
 
@@ -886,7 +897,7 @@ def markdown_section(payload):
   ]
   if payload["kfac_jax_unavailable"]:
     lines.append(f"- **kfac-jax not run:** {payload['kfac_jax_unavailable']}")
-  lines += [f"- **{family.replace('_', '-')} not run:** {reason}" for family, reason
+  lines += [f"- **{family_label(family)} not run:** {reason}" for family, reason
             in payload.get("optional_unavailable", {}).items()]
   lines += [f"- **{name} failed:** `{error}`"
             for name, error in payload["failed"].items()]
