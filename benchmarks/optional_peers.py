@@ -35,7 +35,7 @@ in 3 steps at 1e-3, against 315 after 20 steps with AdaGrad's), statistics
 every step and inverse p-th roots every 10 steps (the default, every step,
 costs an eigen-solve per block per step).
 
-  python -m benchmarks.optional_peers probe autoencoder psgd_kron 3e-4  # one probe
+  python -m benchmarks.optional_peer_probe autoencoder psgd_kron 3e-4  # one probe
 """
 
 import os
@@ -44,7 +44,6 @@ import subprocess
 import sys
 
 import jax
-import numpy as np
 import optax
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,7 +94,7 @@ def probe(workload_module, family, learning_rate, large=False, timeout_s=180.0):
   """None if `PROBE_STEPS` steps of ``family`` train ``workload_module``'s
   workload (a module of benchmarks/) in a child process within
   ``timeout_s``, else why not."""
-  command = [sys.executable, "-m", "benchmarks.optional_peers", "probe",
+  command = [sys.executable, "-m", "benchmarks.optional_peer_probe",
              workload_module, family, repr(learning_rate)] + (["--large"] if large else [])
   try:
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT,
@@ -111,30 +110,3 @@ def probe(workload_module, family, learning_rate, large=False, timeout_s=180.0):
               if line and not line[0].isspace() and "Error" in line.split(":")[0]]
     return f"failed on this workload: {(errors or ['no error printed'])[-1]}"
   return None
-
-
-def _run_probe(workload_module, family, learning_rate, large):
-  """The child process of `probe`."""
-  import importlib  # pylint: disable=import-outside-toplevel
-  from benchmarks import harness  # pylint: disable=import-outside-toplevel
-  workload = importlib.import_module(f"benchmarks.{workload_module}").workload(
-      False, large=large)
-  make, reason = load(family)
-  if reason:
-    raise RuntimeError(reason)
-  params, model_state = harness.initial_variables(workload, 0)
-  contender = harness.optax_contender(family, family, make(learning_rate), {},
-                                      workload, harness.train_step(workload),
-                                      model_state)
-  state = contender.start(params)
-  batch = workload.batch(np.arange(workload.batch_size))
-  for i in range(PROBE_STEPS):
-    state, loss = contender.step(state, batch, jax.random.key(i), i)
-  jax.block_until_ready(loss)
-  print(f"{family} on {workload_module}: loss {float(loss):.4g} after {PROBE_STEPS} steps")
-
-
-if __name__ == "__main__":
-  if len(sys.argv) < 5 or sys.argv[1] != "probe":
-    sys.exit(__doc__.splitlines()[-1].strip())
-  _run_probe(sys.argv[2], sys.argv[3], float(sys.argv[4]), "--large" in sys.argv[5:])

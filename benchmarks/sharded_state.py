@@ -16,6 +16,10 @@ and 4×2 of 8 simulated CPU devices:
 - the mean step time, and K-FAC's against its step with every leaf of the
   state replicated (as it was before the factors were spread), same mesh.
 
+K-FAC runs twice: with whole factors (their stacks spread over the mesh,
+gradients sent to their owners) and with ``factor_block_size`` tiles kept
+with the params' shards (`curvature.tile_placement`).
+
 Both run as a sharded job runs them: ``init`` and the step under
 ``jax.set_mesh``, no shardings given for the optimizer state.
 
@@ -45,6 +49,11 @@ LARGE = dict(vocab=32_000, width=2048, depth=24, heads=16, kv_heads=16, mlp=5464
 SMALL = dict(vocab=512, width=128, depth=2, heads=8, kv_heads=2, mlp=512)
 MESHES = ((1, 1), (2, 4), (4, 2))
 NEVER = 10**9  # a schedule period: at step 0, then never
+# factor_block_size of the tiled contender: it divides every device's rows
+# and columns of the small model's kernels on both meshes but the key and
+# value projections' columns (32 over 4 or 2 devices).
+TILE = 32
+TILED = f"kfac_optax (recipe, tiles {TILE})"
 
 
 def parse_args(argv=None):
@@ -113,9 +122,11 @@ def optimizers(model, loss, batch, **periods):
   import optax  # pylint: disable=import-outside-toplevel
   recipe = dict(learning_rate=1e-3, damping=1e-3, stats_update_period=10,
                 inverse_update_period=50)
+  apply_fn = getattr(model, "apply", model)  # linen's apply, or an NNX module
   return {"kfac_optax (recipe)": kfac_optax.kfac(
-              getattr(model, "apply", model),  # linen's apply, or an NNX module
-              loss, example_batch=batch, **{**recipe, **periods}),
+              apply_fn, loss, example_batch=batch, **{**recipe, **periods}),
+          TILED: kfac_optax.kfac(apply_fn, loss, example_batch=batch,
+                                 factor_block_size=TILE, **{**recipe, **periods}),
           "adamw": optax.adamw(1e-3)}
 
 
@@ -196,7 +207,7 @@ def explicit_axes_collectives(mesh_shape, args, config) -> dict:
   params = jax.tree.leaves(nnx.state(model, nnx.Param))
   return {"params_bytes": per_device_bytes(params, [x.sharding for x in params]),
           "collectives": {name: collective_bytes(name, hlo_of, model, loss, batch)
-                          for name in ("kfac_optax (recipe)", "adamw")}}
+                          for name in ("kfac_optax (recipe)", TILED, "adamw")}}
 
 
 def measure_mesh(mesh_shape, args, config):
@@ -345,8 +356,10 @@ def markdown(payload) -> str:
               "`nnx.Optimizer`). K-FAC reads each gradient's layout from its "
               "type and moves each gradient matrix to the device owning its "
               "slot and back by all-to-all (`linalg.owner_routing`), and forms "
-              "each statistic there (`curvature/owner_statistics.py`); under "
-              "Auto axes above the layouts come from the params' logical "
+              "each statistic there (`curvature/owner_statistics.py`); with "
+              f"tiles ({TILED}) each device keeps and applies the tiles of its "
+              "own shard and moves no gradient (`curvature/tile_placement.py`). "
+              "Under Auto axes above the layouts come from the params' logical "
               "partitioning boxes, with the rules in them.", "",
               "| mesh (data × model) | optimizer | params / device | collective "
               "bytes / step (plain · statistics · refresh) | AdamW's + 3 × params "

@@ -17,7 +17,10 @@ Blocks: RMSNorm, grouped-query causal attention with rotary positions,
 RMSNorm, gated (SwiGLU) MLP; token embedding, final RMSNorm, an untied
 readout. K-FAC runs the model in its own passes under these same Explicit
 axes; its factors and inverses are spread over all the devices (each owning
-whole layers), its momentum sharded like the params.
+whole layers), its momentum sharded like the params. With
+``--factor-block-size 16`` its factors are kept as diagonal tiles of 16,
+each device holding the tiles of its own shard of each kernel: no gradient
+moves between devices (docs/scaling.md, "Tiled factors").
 
 The text is CPython's own help topics (``datasets.load_text``, as in
 ``transformer_lm.py``), bytes as tokens. K-FAC (the README's language-model
@@ -157,6 +160,10 @@ def parse_args(argv=None):
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--kfac-lr", type=float, default=1e-3)
   parser.add_argument("--adamw-lr", type=float, default=3e-3)
+  parser.add_argument("--factor-block-size", type=int, default=None,
+                      help="K-FAC's factors as diagonal tiles of this size, each "
+                      "device keeping its own shards' (16 divides every "
+                      "device's rows and columns on 4x2 and 2x4 meshes)")
   parser.add_argument("--plot", default=DEFAULT_PLOT)
   parser.add_argument("--quick", action="store_true",
                       help=f"{QUICK_STEPS} steps, statistics and inverses "
@@ -198,7 +205,8 @@ def main(argv=None):
         "K-FAC": kfac_optax.kfac(
             model, loss, example_batch=batch_at(0), learning_rate=args.kfac_lr,
             damping=1e-3, momentum=0.9, stats_update_period=periods or 10,
-            inverse_update_period=periods or 50),
+            inverse_update_period=periods or 50,
+            factor_block_size=args.factor_block_size),
         "AdamW": optax.adamw(args.adamw_lr),
     }
     trained = side_by_side.train(

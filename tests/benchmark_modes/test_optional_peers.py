@@ -48,7 +48,7 @@ def test_a_probe_that_outlives_its_limit_names_the_command(monkeypatch):
   monkeypatch.setattr(optional_peers.subprocess, "run", too_slow)
   assert optional_peers.probe("autoencoder", "psgd_kron", 3e-4, timeout_s=5) == (
       f"its first 3 steps did not finish in 5 s on {jax.default_backend()} "
-      "(`-m benchmarks.optional_peers probe autoencoder psgd_kron 0.0003`)")
+      "(`-m benchmarks.optional_peer_probe autoencoder psgd_kron 0.0003`)")
 
 
 def test_a_probe_killed_by_a_signal_names_it(monkeypatch):

@@ -3,6 +3,7 @@
 - `contract`: what a block does (`LayerBlock`, `FallbackBlock`).
 - `kronecker`: dense, dense-general, einsum and conv layers, ``A ⊗ G``
   (`conv_gram`: a convolution's patch Gram from a third of the products).
+- `tiled`: a Kronecker block with its factors cut into diagonal tiles.
 - `series`: a dense layer shared over time steps, modelled as a series.
 - `embedding`: an embedding table, tied uses merged in.
 - `diagonal`: the fallback for params no layer block owns, and norm layers.
@@ -25,3 +26,5 @@ from kfac_optax._src.blocks.lifted import StackedBlock
 from kfac_optax._src.blocks.select import block_for
 from kfac_optax._src.blocks.series import SERIES_OPTIONS
 from kfac_optax._src.blocks.series import SeriesBlock
+from kfac_optax._src.blocks.tiled import TiledKroneckerBlock
+from kfac_optax._src.blocks.tiled import tiling

@@ -12,12 +12,13 @@ from kfac_optax._src.blocks.kronecker import KroneckerBlock
 from kfac_optax._src.blocks.lifted import BatchMajor
 from kfac_optax._src.blocks.lifted import StackedBlock
 from kfac_optax._src.blocks.series import SeriesBlock
+from kfac_optax._src.blocks.tiled import TiledKroneckerBlock
 
 
 def block_for(layout: Any, layer_params: dict, stack_shape: tuple = (),
               other_methods: tuple[str, ...] = (), *, structure: str | None = None,
               max_factor_dim: int | None = None, series: str | None = None,
-              time_axes: tuple = ()) -> Any:
+              time_axes: tuple = (), factor_block_size: int | None = None) -> Any:
   """The curvature block of a captured layer, from its layout and params.
 
   Args:
@@ -37,11 +38,14 @@ def block_for(layout: Any, layer_params: dict, stack_shape: tuple = (),
     time_axes: the sizes of the leading axes (after the stack axes) that
       the inputs and output gradients have and the params lack: time steps
       of an nn.RNN or nn.scan over time.
+    factor_block_size: a Kronecker block's full factor of more rows than
+      this keeps only its diagonal tiles of this size
+      (`tiled.TiledKroneckerBlock`); None: whole factors.
   """
   slice_params = {k: jax.ShapeDtypeStruct(v.shape[len(stack_shape):], v.dtype)
                   for k, v in layer_params.items()}
   block = _unstacked_block(layout, slice_params, other_methods, structure,
-                           max_factor_dim)
+                           max_factor_dim, factor_block_size)
   if series is not None:
     if block.diagonal_input or block.diagonal_output:
       raise ValueError(
@@ -63,7 +67,8 @@ def block_for(layout: Any, layer_params: dict, stack_shape: tuple = (),
 
 
 def _unstacked_block(layout: Any, layer_params: dict, other_methods: tuple,
-                     structure: str | None, max_factor_dim: int | None) -> Any:
+                     structure: str | None, max_factor_dim: int | None,
+                     factor_block_size: int | None) -> Any:
   kronecker = not isinstance(layout, (layouts.EmbeddingLayout, layouts.NormLayout))
   if structure is not None and not kronecker:
     raise ValueError(
@@ -83,4 +88,8 @@ def _unstacked_block(layout: Any, layer_params: dict, other_methods: tuple,
     diagonal = too_large(layout.in_dim), too_large(layout.out_dim)
   else:
     diagonal = KRONECKER_STRUCTURES[structure]
+  sizes = (layout.in_dim + has_bias, layout.out_dim)
+  if factor_block_size is not None and any(
+      size > factor_block_size and not diag for size, diag in zip(sizes, diagonal)):
+    return TiledKroneckerBlock(layout, has_bias, *diagonal, tile=factor_block_size)
   return KroneckerBlock(layout, has_bias, *diagonal)

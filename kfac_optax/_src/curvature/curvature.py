@@ -40,6 +40,7 @@ from kfac_optax._src.curvature import options
 from kfac_optax._src.curvature import owner_statistics
 from kfac_optax._src.curvature import plan as plans
 from kfac_optax._src.curvature import summary
+from kfac_optax._src.curvature import tile_placement
 from kfac_optax._src.curvature.state import FALLBACK
 from kfac_optax._src.curvature.state import ScaleByKFACState
 from kfac_optax._src.models import capture
@@ -201,7 +202,7 @@ class Curvature(options.CurvatureOptions):
     fall to the diagonal fallback.
     """
     factors, inverses = {}, {}
-    params = param_boxes.values(params)
+    declared, params = self.declared_specs(params), param_boxes.values(params)
     plans.check_not_masked(params)
     dtype = linalg.curvature_dtype(params)
     plan = self._example_plan(params)
@@ -216,6 +217,10 @@ class Curvature(options.CurvatureOptions):
         inverses[key] = linalg.low_rank_identities(
             jax.eval_shape(block.damped, factors[key], jnp.ones([], dtype)),
             inverses[key], self.factor_rank)
+    with explicit_axes.params_mesh(params), explicit_axes.params_specs(params, declared):
+      placed = tile_placement.specs(plan, tree_paths.flatten(params)[0])
+      factors, inverses = (tile_placement.place(tree, placed)
+                           for tree in (factors, inverses))
     placement = self._placement()
     layout = block_stacks.Layout.of(plan.all_blocks(), factors,
                                     1 if placement is None else placement.num_shards,
@@ -258,8 +263,11 @@ class Curvature(options.CurvatureOptions):
             self.loss, outputs, batch, self.estimation, sample_key,
             self.num_samples))
 
-  def _batch_statistics(self, plan, stacks_layout, params, batch, variables, rng):
-    """Every block's batch statistics, in ``stacks_layout`` (a `BlockStacks`)."""
+  def _batch_statistics(self, plan, stacks_layout, placed, params, batch, variables,
+                        rng):
+    """Every block's batch statistics, in ``stacks_layout`` (a `BlockStacks`),
+    tiled blocks' on the devices that hold their shards (``placed``:
+    `tile_placement.specs`)."""
     typed = {}
     captured = explicit_axes.in_model_axes(
         functools.partial(self._capture, plan), params, batch, variables, rng, typed)
@@ -276,17 +284,19 @@ class Curvature(options.CurvatureOptions):
                                     captured.output_grads[path], terms, **other_calls)
     if plan.fallback is not None:
       stats[FALLBACK] = plan.fallback.statistics(captured.primal_grads, terms)
-    placement = self._placement()
+    stats, placement = tile_placement.place(stats, placed), self._placement()
     return owner_statistics.at_owners(
         plan, stacks_layout.stack(stats, placement), captured, typed.get("specs"),
         terms, placement)
 
   def _powers(self, plan, factors, damping, power, method, previous=None,
-              rank=None):
+              rank=None, placed=None):
     """Every block's damped factors raised to ``power``: a `BlockStacks`
-    like ``factors``, each stack on the devices that own its slots, the
-    other blocks batched (``previous``: the inverses in use, where a
-    method starts from them; ``rank``: see `linalg.invert_all`).
+    like ``factors``, each stack on the devices that own its slots, tiled
+    blocks' on the devices holding their shards (``placed``:
+    `tile_placement.specs`), the other blocks batched (``previous``: the
+    inverses in use, where a method starts from them; ``rank``: see
+    `linalg.invert_all`).
 
     On one device every matrix is in one `linalg.invert_all`, which
     batches them by size across stacks: the autoencoder's 16 factors (10
@@ -296,17 +306,24 @@ class Curvature(options.CurvatureOptions):
     all_blocks, placement = plan.all_blocks(), self._placement()
     rest = {key: all_blocks[key].damped(entry, damping)
             for key, entry in factors.rest.items()}
+    placed = placed or {}
+    in_place = tile_placement.invert_in_place(
+        {key: rest.pop(key) for key in placed}, placed, method, power,
+        None if previous is None else {key: previous.rest[key] for key in placed})
     requests = tuple(block_stacks.kronecker_core(all_blocks[group.keys[0]]).damped(
         stack, damping) for group, stack in zip(factors.layout.groups, factors.stacks))
     if placement is None:
       rest, stacks = linalg.invert_all(
           (rest, requests), method, power=power, rank=rank,
-          previous=None if previous is None else (previous.rest, previous.stacks))
-      return factors.replace(stacks, rest)
+          previous=None if previous is None else (
+              {key: previous.rest[key] for key in rest}, previous.stacks))
+      return factors.replace(stacks, {**rest, **in_place})
     rest = linalg.invert_all(rest, method, linalg.stack_sharding(self.mesh),
                              power=power,
-                             previous=None if previous is None else previous.rest,
+                             previous=None if previous is None else {
+                                 key: previous.rest[key] for key in rest},
                              rank=rank)
+    rest = {**rest, **in_place}
     invert = lambda request, start: linalg.invert_all(
         request, method, placement, power=power, previous=start)
     stacks = []
@@ -323,7 +340,7 @@ class Curvature(options.CurvatureOptions):
             invert(r, s) for r, s in zip(request, start or (None, None)))))
     return factors.replace(tuple(stacks), rest)
 
-  def _refresh_inverses(self, plan, factors, old, damping):
+  def _refresh_inverses(self, plan, placed, factors, old, damping):
     """New inverses, or all the old ones if the damping or any block failed.
 
     All or nothing, so that every inverse in use has the one damping that
@@ -332,7 +349,7 @@ class Curvature(options.CurvatureOptions):
     """
     inverses, old_damping, rejected = old
     fresh = self._powers(plan, factors, damping, -1, self.inverse, inverses,
-                         self.factor_rank)
+                         self.factor_rank, placed)
     ok = (damping > 0) & jnp.isfinite(damping) & _all_finite(fresh)
     keep = lambda n, o: jnp.where(ok, n, o).astype(o.dtype)
     return (jax.tree.map(keep, fresh, inverses), keep(damping, old_damping),
@@ -361,11 +378,12 @@ class Curvature(options.CurvatureOptions):
     plan = self._plan(params, batch, variables, list(variables), "batch")
     plans.check_state(plan, state.factors)
     damping = jnp.asarray(damping, state.damping.dtype)
+    placed = tile_placement.specs(plan, tree_paths.flatten(params)[0])
 
     # Under `on_schedule`'s lax.cond, XLA:CPU would compile the capture's
     # backward convolutions as plain loops (see `canonical_convolutions`).
     batch_statistics = canonical_convolutions.canonical_convolutions(
-        functools.partial(self._batch_statistics, plan, state.factors.layout))
+        functools.partial(self._batch_statistics, plan, state.factors.layout, placed))
 
     if rng is None:  # fresh dropout masks each step, not one fixed mask's bias
       rng = jax.random.fold_in(jax.random.key(0), state.count)
@@ -379,7 +397,7 @@ class Curvature(options.CurvatureOptions):
         (state.factors, state.stats_count, state.rejected_statistics))
     inverses, damping, rejected_refreshes = on_schedule(
         self.inverse_update_period, self.curvature_warmup, state.count,
-        lambda old: self._refresh_inverses(plan, factors, old, damping),
+        lambda old: self._refresh_inverses(plan, placed, factors, old, damping),
         (state.inverses, state.damping, state.rejected_refreshes))
     return state._replace(
         count=optax.safe_increment(state.count), stats_count=stats_count,

@@ -108,19 +108,8 @@ def update_with_auto_axes(make: Callable[..., Any], settings: dict[str, Any],
   """
   mesh = _explicit_mesh((grads, state, params, batch, variables, rng))
   if mesh is None:
-    context = jax.sharding.get_abstract_mesh()
-    declared = None if context.empty else jax.tree.map(
-        lambda spec: spec if _names_axes_of(spec, context) else None, declared,
-        is_leaf=lambda x: isinstance(x, P))
-    if not param_boxes.declares_any(declared):
+    with declared_specs(declared):
       return direct(grads, state, params, batch, variables, rng)
-    typed = context.update_axis_types(
-        {name: jax.sharding.AxisType.Explicit for name in context.axis_names})
-    token = _DECLARED.set((typed, declared))
-    try:
-      return direct(grads, state, params, batch, variables, rng)
-    finally:
-      _DECLARED.reset(token)
   explicit = tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
                    if kind == jax.sharding.AxisType.Explicit)
   model_axes = ModelAxes(mesh, explicit, _specs(params), _specs(batch),
@@ -232,6 +221,44 @@ def params_typed_spec(fn: Callable[[dict], jax.Array],
   if not all(isinstance(specs.get(path), P) for path in leaves):
     return None
   return typed_spec(fn, leaves, {path: specs[path] for path in leaves}, mesh)
+
+
+@contextlib.contextmanager
+def declared_specs(declared: Any) -> Iterator[None]:
+  """Under Auto axes of the context mesh, the params' specs their boxes
+  declare (``declared``, `param_boxes.specs`) stand in for types in
+  `params_typed_spec`; nothing where they name none of its axes."""
+  context = jax.sharding.get_abstract_mesh()
+  declared = None if context.empty else jax.tree.map(
+      lambda spec: spec if _names_axes_of(spec, context) else None, declared,
+      is_leaf=lambda x: isinstance(x, P))
+  if not param_boxes.declares_any(declared):
+    yield
+    return
+  typed = context.update_axis_types(
+      {name: jax.sharding.AxisType.Explicit for name in context.axis_names})
+  token = _DECLARED.set((typed, declared))
+  try:
+    yield
+  finally:
+    _DECLARED.reset(token)
+
+
+@contextlib.contextmanager
+def params_specs(params: Any, declared: Any) -> Iterator[None]:
+  """Outside an update (``init``), the params' specs for
+  `params_typed_spec`: their types under Explicit axes, else the specs
+  their boxes declare (`declared_specs`)."""
+  mesh = _explicit_mesh(params)
+  if mesh is None:
+    with declared_specs(declared):
+      yield
+    return
+  token = _DECLARED.set((mesh, _specs(params)))
+  try:
+    yield
+  finally:
+    _DECLARED.reset(token)
 
 
 def params_mesh(params: Any) -> contextlib.AbstractContextManager:

@@ -123,7 +123,7 @@ class CurvatureOptions:
       ``"auto"``: 4096, from timing one float32 eigh on 2 CPU cores (0.53 s
       at 2048, 3.6 s at 4096, 12 s at 6144, 28 s at 8192; cholesky 4 to 5
       times faster; `benchmarks/factor_inverse.py`), and no bound with
-      ``factor_rank``. Embeddings keep their full output factor.
+      ``factor_rank`` or ``factor_block_size``. Embeddings keep their full output factor.
       ``layer_overrides`` choices ``"kron*"`` take precedence.
     curvature_batch_size: statistics from the first n examples of the batch
       (every leaf of the batch sliced on its leading axis; the capture's
@@ -143,6 +143,17 @@ class CurvatureOptions:
       O(d³): for wide layers (image inputs, conv patches) whose factors'
       spectra decay fast. `Curvature.multiply` stays exact. See
       benchmarks/RESULTS.md, "Low-rank factor inverses".
+    factor_block_size: a positive Python int t, or None (whole factors). A
+      dense, einsum or conv layer's full factor of more than t rows keeps
+      only its diagonal tiles of t × t, the last padded
+      (`blocks.tiled.TiledKroneckerBlock`): the block becomes
+      ``⊕_ij A_ii ⊗ G_jj``, each tile of the gradient matrix preconditioned
+      on its own (``O(d·t)`` per column, a refresh of ``O(d·t²)``). For
+      sharded jobs: with t dividing the rows and columns each device holds
+      of a kernel (FSDP, tensor parallelism), each device keeps the tiles
+      of its own shard and preconditions it in place, moving nothing
+      (docs/scaling.md, "Tiled factors"). ``max_factor_dim="auto"`` then
+      sets no bound. Not with ``factor_rank``.
   """
 
   inputs: Callable[[Any], Any] | None = None
@@ -161,6 +172,7 @@ class CurvatureOptions:
   max_factor_dim: int | str | None = "auto"
   curvature_batch_size: int | None = None
   factor_rank: int | None = None
+  factor_block_size: int | None = None
 
   def __post_init__(self):
     if self.estimation not in losses.ESTIMATIONS:
@@ -175,11 +187,19 @@ class CurvatureOptions:
     checks.count("curvature_warmup", self.curvature_warmup, 0)
     for name, valid in (("num_samples", "a positive Python int"),
                         ("curvature_batch_size", "a positive Python int or None"),
-                        ("factor_rank", "a positive Python int or None")):
+                        ("factor_rank", "a positive Python int or None"),
+                        ("factor_block_size", "a positive Python int or None")):
       value = getattr(self, name)
       if not (_is_positive_int(value) or (value is None and "None" in valid)):
         raise ValueError(f"{name} must be {valid}, got {value!r}; with "
                          "optax.inject_hyperparams, list it in static_args")
+    if self.factor_rank is not None and self.factor_block_size is not None:
+      raise ValueError(
+          f"factor_rank={self.factor_rank} and factor_block_size="
+          f"{self.factor_block_size} are two ways to make large factors cheap, "
+          "and K-FAC applies one at a time. Fix: give one of them (None for "
+          "the other): factor_block_size for sharded params, factor_rank for "
+          "wide layers whose factors' spectra decay fast.")
     bound = self.max_factor_dim
     if not (bound is None or (isinstance(bound, str) and bound == "auto")
             or _is_positive_int(bound)):
@@ -212,10 +232,12 @@ class CurvatureOptions:
 
   def factor_dim_bound(self) -> int | None:
     """The bound ``max_factor_dim`` sets; ``"auto"`` stands for the
-    inverse's O(d³) cost, which ``factor_rank`` avoids."""
+    inverse's O(d³) cost, which ``factor_rank`` and ``factor_block_size``
+    avoid."""
     if self.max_factor_dim != "auto":
       return self.max_factor_dim
-    return None if self.factor_rank is not None else DEFAULT_MAX_FACTOR_DIM
+    cheap = self.factor_rank is not None or self.factor_block_size is not None
+    return None if cheap else DEFAULT_MAX_FACTOR_DIM
 
 
 DEFAULTS = CurvatureOptions()

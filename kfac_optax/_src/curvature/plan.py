@@ -390,7 +390,8 @@ def make(model: model_call.ModelCall, loss: losses.PredictiveLoss,
         layout, layer_params, stack, other_methods,
         structure=override if override in blocks.KRONECKER_STRUCTURES else None,
         max_factor_dim=settings.factor_dim_bound(),
-        series=_series_option(path, override, time, layout), time_axes=time)
+        series=_series_option(path, override, time, layout), time_axes=time,
+        factor_block_size=settings.factor_block_size)
     layers[tree_paths.key(path)] = (path, block)
     owned.update(path + (name,) for name in block.param_names)
   fallback_paths = {tree_paths.key(k): k for k in flat_params if k not in owned}

@@ -50,11 +50,22 @@ class Factor(NamedTuple):
     diagonal: whether only its diagonal is kept.
     rank: the rank of its inverse where it is kept at ``factor_rank``
       (`linalg.low_rank`), else None.
+    tile: the rows of its diagonal tiles where it is kept as them
+      (``factor_block_size``), else None.
   """
   name: str
   size: int
   diagonal: bool
   rank: int | None = None
+  tile: int | None = None
+
+  def text(self) -> str:
+    if self.diagonal:
+      return f"{self.name} diag {self.size}"
+    if self.tile:
+      count, size = blocks.tiling(self.size, self.tile)
+      return f"{self.name} {self.size} as {count} tiles {size}×{size}"
+    return f"{self.name} {self.size}×{self.size}" + (f" rank {self.rank}" if self.rank else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,13 +88,10 @@ class Row:
 
   def factor_text(self) -> str:
     """E.g. ``"A 785×785 · G 10×10"``, ``"A diag 4609 · G 512×512"``,
-    ``"A 785×785 rank 32 · G 10×10"``."""
+    ``"A 785×785 rank 32 · G 10×10"``, ``"A 129 as 3 tiles 64×64 · G 10×10"``."""
     if not self.factors:
       return "-"
-    text = " · ".join(
-        f"{f.name} diag {f.size}" if f.diagonal else
-        f"{f.name} {f.size}×{f.size}" + (f" rank {f.rank}" if f.rank else "")
-        for f in self.factors)
+    text = " · ".join(f.text() for f in self.factors)
     return text if self.stacks == 1 else f"{self.stacks} × ({text})"
 
 
@@ -150,11 +158,12 @@ def _kind_and_factors(block: Any) -> tuple[str, tuple[Factor, ...], int]:
                            Factor("G0,G1", layout.out_dim, False)),
             stacks * layout.num_stacks)
   if isinstance(block, blocks.KroneckerBlock):
-    layout = block.layout
+    layout, tile = block.layout, getattr(block, "tile", None)
+    factors = (Factor("A", layout.in_dim + block.has_bias, block.diagonal_input),
+               Factor("G", layout.out_dim, block.diagonal_output))
     return (_STRUCTURE_KINDS[block.diagonal_input, block.diagonal_output],
-            (Factor("A", layout.in_dim + block.has_bias, block.diagonal_input),
-             Factor("G", layout.out_dim, block.diagonal_output)),
-            stacks * layout.num_stacks)
+            tuple(f._replace(tile=tile) if tile and f.size > tile else f
+                  for f in factors), stacks * layout.num_stacks)
   if isinstance(block, blocks.EmbeddingBlock):
     return ("tied embedding" if block.tied else "embedding",
             (Factor("A", block.layout.vocab, True),

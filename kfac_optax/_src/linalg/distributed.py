@@ -49,13 +49,20 @@ class StackSharding:
     (leaves whose leading axis does not divide into ``num_shards`` are left
     to XLA: a state made for another mesh still runs, unsplit)."""
     split = self._sharding(PartitionSpec(self.axes))
-    context = jax.sharding.get_abstract_mesh()
-    # Under Explicit axes a sharding is part of the type: moved, not hinted.
-    move = (jax.sharding.reshard if jax.sharding.AxisType.Explicit in context.axis_types
-            else jax.lax.with_sharding_constraint)
     return jax.tree.map(
-        lambda x: move(x, split)
+        lambda x: constrain(x, split)
         if x.ndim and x.shape[0] % self.num_shards == 0 else x, tree)
+
+
+def constrain(x: jax.Array, sharding: Any) -> jax.Array:
+  """``x`` placed by ``sharding`` (a `PartitionSpec` of the context mesh,
+  or a `NamedSharding`): under Explicit axes a sharding is part of the
+  type, so ``x`` is moved (`jax.sharding.reshard`); under Auto ones XLA is
+  told (`jax.lax.with_sharding_constraint`)."""
+  context = jax.sharding.get_abstract_mesh()
+  if jax.sharding.AxisType.Explicit in context.axis_types:
+    return jax.sharding.reshard(x, sharding)
+  return jax.lax.with_sharding_constraint(x, sharding)
 
 
 def stack_sharding(mesh: jax.sharding.Mesh | None) -> StackSharding | None:

@@ -103,6 +103,7 @@ def kfac(
     max_factor_dim: int | str | None = _OPTIONS.max_factor_dim,
     curvature_batch_size: int | None = _OPTIONS.curvature_batch_size,
     factor_rank: int | None = _OPTIONS.factor_rank,
+    factor_block_size: int | None = _OPTIONS.factor_block_size,
     norm_constraint: float | str | None = "auto",
     adaptive_damping: bool | None = None,
     damping_adaptation_interval: int = 5,
@@ -189,8 +190,8 @@ def kfac(
     spelled out so that ``optax.inject_hyperparams(kfac, static_args=
     ("apply_fn", "num_samples"))`` can inject the numeric ones (list
     ``inputs`` and ``outputs`` there too when given, optax taking every
-    callable for a schedule, and ``curvature_batch_size``, ``factor_rank``
-    and ``max_factor_dim`` when given a number; docs/settings.md).
+    callable for a schedule, and ``curvature_batch_size``, ``factor_rank``,
+    ``factor_block_size`` and ``max_factor_dim`` when given a number; docs/settings.md).
 
   Raises:
     ValueError: for a setting outside its range (a schedule: at count 0).

@@ -46,6 +46,7 @@ def scale_by_kfac(
     max_factor_dim: int | str | None = _OPTIONS.max_factor_dim,
     curvature_batch_size: int | None = _OPTIONS.curvature_batch_size,
     factor_rank: int | None = _OPTIONS.factor_rank,
+    factor_block_size: int | None = _OPTIONS.factor_block_size,
 ) -> optax.GradientTransformationExtraArgs:
   """Preconditions gradients with K-FAC's damped Kronecker-factored Fisher.
 
