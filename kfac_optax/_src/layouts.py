@@ -225,8 +225,10 @@ class EinsumLayout:
     return tuple(self.kernel_labels.index(c) for c in parts)
 
   def kernel_matrix(self, kernel: jax.Array) -> jax.Array:
-    return jnp.transpose(kernel, self._kernel_order()).reshape(
-        self.num_stacks, self.in_dim, self.out_dim)
+    kernel = jnp.transpose(kernel, self._kernel_order())
+    if self.num_stacks == 1:  # in two steps, which Explicit axes' types can follow
+      return kernel.reshape(self.in_dim, self.out_dim)[None]
+    return kernel.reshape(self.num_stacks, self.in_dim, self.out_dim)
 
   def kernel_from_matrix(self, matrix: jax.Array) -> jax.Array:
     order = self._kernel_order()

@@ -13,6 +13,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import kfac_optax
+from kfac_optax._src import layouts
+from kfac_optax._src.curvature import explicit_axes
 from tests import brute_force as bf
 from tests.scaling import test_block_stacks as stacks_test
 from tests.scaling import test_explicit_axes as explicit_test
@@ -142,3 +144,15 @@ def test_logical_boxes_place_the_tiles_and_checkpoints_move(tmp_path, linen_one_
   assert bf.relative_error(nn.meta.unbox(last[0]), jax.tree.map(
       np.asarray, nn.meta.unbox(linen_one_device[2][2]))) < 1e-5
   assert _tiled_specs(state[0].factors)["DecoderBlock_0/DenseGeneral_0"] == (ROWS, COLS)
+
+
+def test_an_einsum_kernel_matrix_keeps_its_sharding_type():
+  """Flax's Einsum with heads before head_dim (Gemma's attention output,
+  ``NHD``, heads over "model" and the output over "data"): its kernel
+  matrix has a typed layout under Explicit axes, so its tiles are placed."""
+  layout = layouts.EinsumLayout("BTNH", "NHD", "BTD", (
+      ("B", 2), ("D", 16), ("H", 8), ("N", 4), ("T", 3)))
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  spec = explicit_axes.typed_spec(layout.kernel_matrix, jax.numpy.zeros((4, 8, 16)),
+                                  P("model", None, "data"), mesh.abstract_mesh)
+  assert spec == P(None, "model", "data")
