@@ -31,6 +31,16 @@ def _size(shape) -> int:
   return int(math.prod(shape))
 
 
+def _matrices(x: jax.Array, stacks: int, rows: int, cols: int) -> jax.Array:
+  """``x`` as ``(stacks, rows, cols)``; one stack in two steps, merging
+  axes then adding the stack's, which Explicit axes' sharding types can
+  follow (a kernel whose heads are split over the mesh keeps a typed
+  layout, `curvature.tile_placement`)."""
+  if stacks == 1:
+    return x.reshape(rows, cols)[None]
+  return x.reshape(stacks, rows, cols)
+
+
 def reach(kernel_size, kernel_dilation) -> list[int]:
   """The input extent of a dilated kernel, per spatial axis."""
   return [(k - 1) * d + 1 for k, d in zip(kernel_size, kernel_dilation)]
@@ -106,8 +116,8 @@ class DenseLayout:
 
   def kernel_matrix(self, kernel: jax.Array) -> jax.Array:
     if self.kernel_order == "out_in":
-      return jnp.swapaxes(kernel.reshape(self.num_stacks, self.out_dim, self.in_dim), 1, 2)
-    return kernel.reshape(self.num_stacks, self.in_dim, self.out_dim)
+      return jnp.swapaxes(_matrices(kernel, self.num_stacks, self.out_dim, self.in_dim), 1, 2)
+    return _matrices(kernel, self.num_stacks, self.in_dim, self.out_dim)
 
   def kernel_from_matrix(self, matrix: jax.Array) -> jax.Array:
     if self.kernel_order == "out_in":
@@ -225,10 +235,8 @@ class EinsumLayout:
     return tuple(self.kernel_labels.index(c) for c in parts)
 
   def kernel_matrix(self, kernel: jax.Array) -> jax.Array:
-    kernel = jnp.transpose(kernel, self._kernel_order())
-    if self.num_stacks == 1:  # in two steps, which Explicit axes' types can follow
-      return kernel.reshape(self.in_dim, self.out_dim)[None]
-    return kernel.reshape(self.num_stacks, self.in_dim, self.out_dim)
+    return _matrices(jnp.transpose(kernel, self._kernel_order()), self.num_stacks,
+                     self.in_dim, self.out_dim)
 
   def kernel_from_matrix(self, matrix: jax.Array) -> jax.Array:
     order = self._kernel_order()

@@ -4,12 +4,16 @@ devices: "data" 4, "model" 2)."""
 
 import math
 
+import pytest
+
 from examples import sharded_transformer
 
 
-def test_sharded_transformer_quick_run(tmp_path):
+@pytest.mark.parametrize("tiles", [[], ["--factor-block-size", "16"]])
+def test_sharded_transformer_quick_run(tmp_path, tiles):
+  """Whole factors, and factors tiled with the params' shards."""
   plot = tmp_path / "p.png"
-  metrics = sharded_transformer.main(["--quick", "--plot", str(plot)])
+  metrics = sharded_transformer.main(["--quick", "--plot", str(plot), *tiles])
   assert plot.is_file() and plot.stat().st_size > 0
   initial = metrics["initial_loss"]  # log(256): the uniform prediction
   # inf where K-FAC never reaches AdamW's final loss in the quick run.

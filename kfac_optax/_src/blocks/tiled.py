@@ -51,9 +51,10 @@ def _padded(x: jax.Array, axis: int, length: int) -> jax.Array:
 
 def tile_gram(rows: jax.Array, weights: jax.Array | None, tile: int) -> jax.Array:
   """``(S, R, d) -> (S, n, t, t)``: the diagonal tiles of ``Σ_rows w r rᵀ``,
-  without forming the whole ``d × d`` matrix."""
+  without forming the whole ``d × d`` matrix; on a mesh, each device's
+  partial tiles from its share of the rows (`linalg.rows_over_mesh`)."""
   n, t = tiling(rows.shape[-1], tile)
-  rows = _padded(linalg.at_least_float32(rows), 2, n * t)
+  rows = _padded(linalg.at_least_float32(linalg.rows_over_mesh(rows)), 2, n * t)
   rows = rows.reshape(*rows.shape[:2], n, t)
   weighted = rows if weights is None else rows * weights[:, None, None]
   return jnp.einsum("srni,srnj->snij", weighted, rows,

@@ -399,6 +399,9 @@ class Curvature(options.CurvatureOptions):
         self.inverse_update_period, self.curvature_warmup, state.count,
         lambda old: self._refresh_inverses(plan, placed, factors, old, damping),
         (state.inverses, state.damping, state.rejected_refreshes))
+    # The tiles stay with their shards whatever XLA would choose for the EMA.
+    factors, inverses = (tree.replace(tree.stacks, tile_placement.place(tree.rest, placed))
+                         for tree in (factors, inverses))
     return state._replace(
         count=optax.safe_increment(state.count), stats_count=stats_count,
         factors=factors, inverses=inverses, damping=damping,

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import jax
 from jax.sharding import PartitionSpec as P
 
+from kfac_optax._src import linalg
 from kfac_optax._src import param_boxes
 from kfac_optax._src import tree_paths
 
@@ -119,7 +120,7 @@ def update_with_auto_axes(make: Callable[..., Any], settings: dict[str, Any],
     return make(**{**settings, **arrays}).update(
         grads, state, params, batch=batch, variables=variables, rng=rng)
   out_sharding = _specs((grads, state))
-  with jax.sharding.use_abstract_mesh(mesh), _model_axes(model_axes):
+  with jax.sharding.use_abstract_mesh(mesh), _model_axes(model_axes), linalg.rows_typed():
     return jax.sharding.auto_axes(update, axes=explicit, out_sharding=out_sharding)(
         grads, state, params, batch, variables, rng, _array_settings(settings))
 

@@ -26,6 +26,8 @@ from kfac_optax._src.linalg.damped import INVERSE_METHODS
 from kfac_optax._src.linalg.damped import mean_eigenvalue
 from kfac_optax._src.linalg.damped import pi_adjusted_damping
 from kfac_optax._src.linalg.distributed import constrain
+from kfac_optax._src.linalg.distributed import rows_over_mesh
+from kfac_optax._src.linalg.distributed import rows_typed
 from kfac_optax._src.linalg.distributed import stack_sharding
 from kfac_optax._src.linalg.distributed import StackSharding
 from kfac_optax._src.linalg.owner_routing import MatrixLayout
