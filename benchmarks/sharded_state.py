@@ -334,7 +334,8 @@ def collectives_cell(sent) -> str:
 def markdown(payload) -> str:
   lines = ["## K-FAC in a sharded job: state bytes and collectives per device",
            "", f"`{payload['command']}` ({payload['date']}; CPU, 8 simulated "
-           "devices; the model: " + ", ".join(f"{k} {v}" for k, v in SMALL.items())
+           "devices; the model: " + ", ".join(
+               f"{k} {v}" for k, v in payload.get("config", SMALL).items())
            + f", batch {payload['batch_size']} × {payload['sequence']} tokens).",
            "", "| mesh (data × model) | optimizer | state / device | params / "
            "device | state after a step | collective bytes / step (plain · "
@@ -421,7 +422,7 @@ def main(argv=None):
   payload = {"command": " ".join(["python benchmarks/sharded_state.py",
                                   *(sys.argv[1:] if argv is None else argv)]),
              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-             "batch_size": args.batch_size, "sequence": args.sequence,
+             "batch_size": args.batch_size, "sequence": args.sequence, "config": config,
              "meshes": {mesh: rows for mesh, (rows, _) in measured.items()},
              "deadlocked": {mesh: n for mesh, (_, n) in measured.items() if n}}
   payload["explicit"] = {f"{d} × {m}": explicit_axes_collectives((d, m), args, config)
