@@ -105,9 +105,13 @@ class TiledKroneckerBlock(kronecker.KroneckerBlock):
 
   tile: int = 0
 
-  def _tiling(self, side: str) -> tuple[int, int]:
-    size = self.layout.in_dim + self.has_bias if side == "a" else self.layout.out_dim
-    return tiling(size, self.tile)
+  def side_size(self, side: str) -> int:
+    """The rows of factor ``side`` (``"a"`` or ``"g"``), padding not counted."""
+    return self.layout.in_dim + self.has_bias if side == "a" else self.layout.out_dim
+
+  def side_tiling(self, side: str) -> tuple[int, int]:
+    """`tiling` of factor ``side``."""
+    return tiling(self.side_size(side), self.tile)
 
   def init(self) -> tuple[kronecker.KroneckerFactors, kronecker.KroneckerFactors]:
     zeros, identities = super().init()
@@ -116,7 +120,7 @@ class TiledKroneckerBlock(kronecker.KroneckerBlock):
       if diagonal:
         pairs.append((getattr(zeros, side), getattr(identities, side)))
         continue
-      n, t = self._tiling(side)
+      n, t = self.side_tiling(side)
       shape = (self.layout.num_stacks, n, t, t)
       pairs.append((jnp.zeros(shape), jnp.broadcast_to(jnp.eye(t), shape)))
     (zero_a, eye_a), (zero_g, eye_g) = pairs
@@ -149,14 +153,13 @@ class TiledKroneckerBlock(kronecker.KroneckerBlock):
     """Each tile with its layer's π-adjusted damping: ``π`` from the whole
     factors' mean eigenvalues (the tiles' traces over the factor's rows,
     the padding's zeros not counted)."""
-    sizes = (self.layout.in_dim + self.has_bias, self.layout.out_dim)
-
     def mean_eigenvalue(factor, size):
       if factor.ndim == 2:  # kept diagonal
         return jnp.mean(factor, -1)
       return jnp.sum(jnp.diagonal(factor, axis1=-2, axis2=-1), (-2, -1)) / size
     damping_a, damping_g = linalg.pi_adjusted_damping(
-        *(mean_eigenvalue(f, size) for f, size in zip(factors, sizes)), damping)
+        *(mean_eigenvalue(f, self.side_size(side)) for f, side in zip(factors, "ag")),
+        damping)
 
     def damped(factor, side_damping):
       if factor.ndim == 2:

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 
 from kfac_optax._src import blocks
 from kfac_optax._src import linalg
+from kfac_optax._src.curvature import explicit_axes
 
 
 def kronecker_core(block: Any) -> blocks.KroneckerBlock | None:
@@ -61,6 +62,17 @@ def gradient_matrix(block: Any, grads: dict, dtype) -> jax.Array:
   if isinstance(block, blocks.BatchMajor):
     return gradient_matrix(block.inner, grads, dtype)
   return block.gradient_matrix(grads, dtype)
+
+
+def gradient_matrix_spec(path: tuple[str, ...], block: Any,
+                         flat: dict) -> jax.sharding.PartitionSpec | None:
+  """How ``block``'s `gradient_matrix` of its leaves at ``path`` in
+  ``flat`` (params-shaped, by leaf path) lies on the mesh, as the params'
+  types or boxes place it (`explicit_axes.params_typed_spec`); None where
+  unknown."""
+  leaves = {path + (n,): flat[path + (n,)] for n in block.param_names}
+  return explicit_axes.params_typed_spec(lambda typed: gradient_matrix(
+      block, {n: typed[path + (n,)] for n in block.param_names}, jnp.float32), leaves)
 
 
 def matrix_leaves(block: Any, matrix: jax.Array) -> dict:

@@ -427,7 +427,7 @@ class Curvature(options.CurvatureOptions):
           plan.layers[key][1], grads(*plan.layers[key]), stack.a.dtype)
                    for key in group.keys}
       layouts = None if placement is None else self._matrix_layouts(
-          plan, group, flat, gradients, stack.a.dtype)
+          plan, group, flat, gradients)
       for key, product in self._sandwiches(group, stack, gradients, placement,
                                            layouts).items():
         path, block = plan.layers[key]
@@ -441,18 +441,13 @@ class Curvature(options.CurvatureOptions):
 
   @staticmethod
   def _matrix_layouts(plan: plans.Plan, group: block_stacks.Group, flat: dict,
-                      gradients: dict[str, jax.Array],
-                      dtype) -> list[linalg.MatrixLayout] | None:
+                      gradients: dict[str, jax.Array]) -> list[linalg.MatrixLayout] | None:
     """How each gradient matrix of ``group`` (``gradients``, from the leaves
     in ``flat``) lies on the mesh, from the params' shardings under Explicit
     axes; None if any is unknown."""
     layouts = []
     for key in group.keys:
-      path, block = plan.layers[key]
-      leaves = {path + (n,): flat[path + (n,)] for n in block.param_names}
-      matrix = lambda typed, path=path, block=block: block_stacks.gradient_matrix(
-          block, {n: typed[path + (n,)] for n in block.param_names}, dtype)
-      spec = explicit_axes.params_typed_spec(matrix, leaves)
+      spec = block_stacks.gradient_matrix_spec(*plan.layers[key], flat)
       layout = None if spec is None else linalg.MatrixLayout.of(spec, gradients[key].ndim)
       if layout is None:
         return None

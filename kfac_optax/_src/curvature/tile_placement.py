@@ -8,9 +8,9 @@ row), the stack of ``A``'s tiles is split over ``R`` the same way, so each
 device holds exactly the tiles its rows need; likewise ``G`` over ``V``'s
 column axes ``C``. Then:
 
-- statistics: each device forms its tiles' Grams from its rows of
-  activations; XLA sums them over the batch's axes (an all-reduce of the
-  tiles, not of whole factors);
+- statistics: each device forms the partial Grams of the tiles from its
+  share of the rows (`linalg.rows_over_mesh`), which XLA sums into the
+  tiles' devices (tiles, not whole factors, move);
 - refresh: each device inverts its own tiles (`jax.shard_map`);
 - preconditioning: ``A_ii⁻¹ V_ij G_jj⁻¹`` on the device that holds
   ``V_ij``: no gradient moves.
@@ -32,7 +32,6 @@ from jax.sharding import PartitionSpec as P
 from kfac_optax._src import blocks
 from kfac_optax._src import linalg
 from kfac_optax._src.curvature import block_stacks
-from kfac_optax._src.curvature import explicit_axes
 
 
 def _tiled_core(block: Any) -> tuple[blocks.TiledKroneckerBlock | None, int]:
@@ -45,16 +44,18 @@ def _tiled_core(block: Any) -> tuple[blocks.TiledKroneckerBlock | None, int]:
 
 
 def _side_axes(core: blocks.TiledKroneckerBlock, side: str, axes: tuple[str, ...],
-               rows: int, diagonal: bool) -> tuple[str, ...]:
-  """The mesh axes that split ``side``'s tiles (or its diagonal) like the
-  gradient matrix's ``rows`` along ``axes``; () where they cannot."""
+               diagonal: bool) -> tuple[str, ...]:
+  """The mesh axes that split ``side``'s tiles (or its diagonal) as the
+  gradient matrix's rows (``"a"``) or columns (``"g"``) are split along
+  ``axes``; () where they cannot."""
   mesh = jax.sharding.get_abstract_mesh()
   shards = math.prod(mesh.shape[a] for a in axes) if axes else 1
+  rows = core.side_size(side)
   if shards == 1:
     return ()
   if diagonal:
     return axes if rows % shards == 0 else ()
-  count, size = core._tiling(side)  # pylint: disable=protected-access
+  count, size = core.side_tiling(side)
   return axes if count * size == rows and count % shards == 0 else ()
 
 
@@ -68,20 +69,16 @@ def specs(plan: Any, flat_params: dict) -> dict[str, blocks.KroneckerFactors]:
     core, levels = _tiled_core(block)
     if core is None:
       continue
-    leaves = {path + (n,): flat_params[path + (n,)] for n in block.param_names}
-    matrix = lambda typed, path=path, block=block: block_stacks.gradient_matrix(
-        block, {n: typed[path + (n,)] for n in block.param_names}, jax.numpy.float32)
-    spec = explicit_axes.params_typed_spec(matrix, leaves)
+    spec = block_stacks.gradient_matrix_spec(path, block, flat_params)
     if spec is None:
       continue
-    shape = jax.eval_shape(matrix, leaves).shape
-    spec = (*spec, *[None] * (len(shape) - len(spec)))
+    spec = (*spec, *[None] * (levels + 3 - len(spec)))  # levels, slices, rows, cols
     # Stacking levels split over the mesh would need their own routing.
     layout = None if any(spec[:levels]) else linalg.MatrixLayout.of(P(*spec[levels:]), 3)
     if layout is None:
       continue
-    sides = [_side_axes(core, "a", layout.rows, shape[-2], core.diagonal_input),
-             _side_axes(core, "g", layout.cols, shape[-1], core.diagonal_output)]
+    sides = [_side_axes(core, "a", layout.rows, core.diagonal_input),
+             _side_axes(core, "g", layout.cols, core.diagonal_output)]
     if not any(sides):
       continue
     lead = (None,) * (levels + 1)  # stacking levels, then the layout's slices
