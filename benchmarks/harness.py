@@ -245,9 +245,12 @@ def train_step(workload: Workload):
 
 
 def kfac_optax_tx(workload: Workload, example_batch, **settings):
-  return kfac_optax.kfac(workload.model.apply, workload.loss,
-                         example_batch=example_batch, inputs=workload.inputs,
-                         **settings)
+  """`kfac_optax.kfac` with ``settings``; with ``schedule_free=True`` among
+  them, `kfac_optax.schedule_free_kfac` with the others."""
+  make = (kfac_optax.schedule_free_kfac if settings.pop("schedule_free", False)
+          else kfac_optax.kfac)
+  return make(workload.model.apply, workload.loss, example_batch=example_batch,
+              inputs=workload.inputs, **settings)
 
 
 def kfac_optax_contender(name, settings, workload, step, model_state=None,

@@ -23,6 +23,7 @@ from kfac_optax._src.optimizer.inspection import stats
 from kfac_optax._src.optimizer.kfac import kfac
 from kfac_optax._src.optimizer.kfac_step import KFACState
 from kfac_optax._src.optimizer.scale_by_kfac import scale_by_kfac
+from kfac_optax._src.optimizer.schedule_free import schedule_free_kfac
 from kfac_optax._src.train_state import TrainState
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "norm_constraint",
     "register_layer",
     "scale_by_kfac",
+    "schedule_free_kfac",
     "sharding",
     "stats",
 ]
