@@ -52,8 +52,8 @@ def schedule_free_kfac(
   with ``c_{t+1} = w_t / Σ_{i≤t} w_i``, ``w_t = (max_{i≤t} lr_i)^p``
   (``p = weight_lr_power``; optax's weights: a warm-up's early steps weigh
   less, a decay's late ones do not; ``1/(t+1)`` for a constant rate) and
-  ``x_0 = y_0 = z_0``. The
-  interpolation takes momentum's place, so ``momentum`` is not a setting.
+  ``x_0 = y_0 = z_0``. The interpolation takes momentum's place, so
+  ``momentum`` is not a setting.
   Evaluate at ``x``: ``optax.contrib.schedule_free_eval_params(opt_state,
   params)``.
 
