@@ -14,20 +14,21 @@ training mode (batch statistics); the running averages are carried as the
 The contenders, the timing protocol and the report are those of `harness`;
 every contender but kfac_optax at matched settings gets 120 s of step time.
 kfac_optax's matched learning rate and damping are the fixed mode's README
-values. The tuned contender is the recipe with statistics from a quarter
-of the batch, inverses every 10 steps and both statistics and inverses on
-each of the first 5 (`studies/recipe_sweep.py --workload resnet`,
-2026-11-28: with them the targets of steps 50 and 200 took 54 and 129
-steps against 77 and 157 with the earlier wide-convolution advice,
-statistics every 20 steps and inverses every 100 at rank 32, whose steps
-were 8% cheaper), and a KL bound of 1e-2 (a later sweep: the 16:22
-race's step-200 loss in 159 steps against more than 200 with 1e-3).
+values. The tuned contender is `kfac_optax.schedule_free_kfac` with `b1=0.8`,
+a base learning rate of 1e-2 under a KL bound of 1e-1, damping 1e-3,
+statistics from a quarter of the batch, statistics and inverses every 20 steps
+and on each of the first 5 (three `studies/recipe_sweep.py --workload resnet`
+runs, 2026-11-29: the 2026-11-28 18:57 race's losses of steps 50-400 and its
+120-s loss in 43 / 77 / 157 / 280 / 323 steps, against 48 / 106 / 159 / 289 /
+more than 301 for the `kfac` contender it replaced, the recipe with the same
+sub-batch, inverses every 10, the warm-up and a KL bound of 1e-2; every 20
+steps took as many steps as every 10 at a step 4% cheaper).
 kfac-jax is not run: the harness does not carry BatchNorm state through it (its convolution cost is in the convnet
 benchmark: ~60x Adam).
 
 From the repository root::
 
-  python benchmarks/resnet.py           # full run, ~35 min on 2 CPU cores
+  python benchmarks/resnet.py           # full run, ~38 min on 2 CPU cores
   python benchmarks/resnet.py --quick   # smoke test: every contender runs
 """
 
@@ -55,9 +56,10 @@ DEFAULTS = dict(budget_s=120.0, matched_steps=150, quick_steps=2, kfac_lr=0.03,
                 # 1e-2, in the 2026-11-28 15:12 race.
                 schedule_free_lrs=[1e-3, 3e-3, 1e-2, 3e-2],
                 target_steps=[50, 100, 200, 400], key_target_step=100,
-                tuned={**harness.RECIPE, "curvature_batch_size": 32,
-                       "inverse_update_period": 10, "curvature_warmup": 5,
-                       "norm_constraint": 1e-2},
+                tuned={"schedule_free": True, "b1": 0.8, "learning_rate": 1e-2,
+                       "norm_constraint": 1e-1, "damping": 1e-3,
+                       "curvature_batch_size": 32, "stats_update_period": 20,
+                       "inverse_update_period": 20, "curvature_warmup": 5},
                 # The H200 race of 2026-11-28: Adam's best was 3e-4 and Muon's
                 # 3e-3, the bottoms of their grids (Muon's 1e-2 in the two
                 # runs before); Muon's other params follow Adam's best.
