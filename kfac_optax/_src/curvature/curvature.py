@@ -39,6 +39,7 @@ from kfac_optax._src.curvature import model_call
 from kfac_optax._src.curvature import options
 from kfac_optax._src.curvature import owner_statistics
 from kfac_optax._src.curvature import plan as plans
+from kfac_optax._src.curvature import replicas
 from kfac_optax._src.curvature import summary
 from kfac_optax._src.curvature import tile_placement
 from kfac_optax._src.curvature.state import FALLBACK
@@ -255,10 +256,11 @@ class Curvature(options.CurvatureOptions):
       # No captured layer (every param in the fallback): no kfac_inputs.
       return self.model.output(outputs), collections.get(capture.INPUTS, {})
 
+    local = functools.partial(replicas.per_device, like=(params, batch, variables, rng))
     return capture.capture(
         model,
-        {k: flat_params[path] for k, path in plan.fallback_paths.items()},
-        capture.zeros(plan.perturbations),
+        local({k: flat_params[path] for k, path in plan.fallback_paths.items()}),
+        local(capture.zeros(plan.perturbations)),
         lambda outputs: losses.output_cotangents(
             self.loss, outputs, batch, self.estimation, sample_key,
             self.num_samples))
@@ -389,8 +391,8 @@ class Curvature(options.CurvatureOptions):
       rng = jax.random.fold_in(jax.random.key(0), state.count)
 
     def with_new_statistics(carry):
-      return fold_in(self.ema_decay, *carry,
-                     batch_statistics(params, batch, variables, rng))
+      return fold_in(self.ema_decay, *carry, self.over_replicas(
+          batch_statistics(params, batch, variables, rng)))
     factors, stats_count, rejected_statistics = on_schedule(
         self.stats_update_period, self.curvature_warmup, state.count,
         with_new_statistics,
@@ -546,6 +548,11 @@ class Curvature(options.CurvatureOptions):
     return param_boxes.like(given, jax.tree.map(
         lambda u, v: u.astype(v.dtype), self._apply(plan, powered, vector), vector))
 
+  def over_replicas(self, tree: Any) -> Any:
+    """``tree``, means over this device's share of the batch, averaged
+    over ``axis_name``: the whole batch's means (`replicas`)."""
+    return replicas.mean(tree, replicas.axes(self.axis_name))
+
   def output_tangents(self, params: Any, batch: Any, vectors: Any,
                       variables: dict | None = None, rng: jax.Array | None = None):
     """``(outputs, J v for each v)``: the model output and its directional
@@ -570,9 +577,12 @@ class Curvature(options.CurvatureOptions):
 
     For the losses here (exponential families in their natural parameters)
     the Fisher equals the generalised Gauss-Newton matrix. One linearised
-    forward pass and one backward pass; no matrix is formed.
+    forward pass and one backward pass; no matrix is formed. With
+    ``axis_name``, the whole batch's product (`replicas`).
     """
+    params, vector = replicas.per_device((params, vector), (params, batch, variables, rng))
     model = lambda p: self.forward(p, batch, variables, rng)
     outputs, tangent = jax.jvp(model, (params,), (vector,))
     _, pull = jax.vjp(model, params)
-    return pull(self.output_fisher(outputs, batch, tangent).astype(outputs.dtype))[0]
+    return self.over_replicas(
+        pull(self.output_fisher(outputs, batch, tangent).astype(outputs.dtype))[0])

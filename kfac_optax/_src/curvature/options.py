@@ -19,6 +19,7 @@ from kfac_optax._src import checks
 from kfac_optax._src import linalg
 from kfac_optax._src import losses
 from kfac_optax._src import tree_paths
+from kfac_optax._src.curvature import replicas
 from kfac_optax._src.models import nnx_capture
 
 # Factors above this size are kept diagonal by default (max_factor_dim="auto").
@@ -116,6 +117,19 @@ class CurvatureOptions:
       stacked by similar size (`linalg.stacked_inverses.invert_all`), split
       the same way and all-gathered. Default: the context mesh
       (``jax.set_mesh``) if any, else no distribution.
+    axis_name: for a step written per device (``jax.pmap``, or
+      ``jax.shard_map`` over a batch axis): the axis name, or tuple of
+      names, that splits the batch, the one the step averages its gradients
+      over with ``lax.pmean``. K-FAC averages what it measures on its share
+      of the batch over the same axes (the factors' statistics; the
+      automatic mode's quadratic model and loss changes), so that every
+      replica keeps one state and takes the step of one device on the whole
+      batch (equal shares; `curvature.replicas`). None (default): no such
+      axes; inside ``pmap``/``shard_map`` ``update`` then raises a
+      `ValueError`, as the devices could be replicas or independent models;
+      ``()`` for independent models, one per device. Not needed under
+      ``jax.jit`` with shardings (``mesh``), where the program sees the
+      whole batch.
     max_factor_dim: a dense or conv layer's factor larger than this (input:
       ``in_dim``, conv ``kh·kw·c_in``, a bias's extra row not counted;
       output: ``out_dim``) is kept diagonal (``diag(A) ⊗ G`` or ``A ⊗ diag(G)``, see
@@ -169,6 +183,7 @@ class CurvatureOptions:
   layer_overrides: dict[str, str] | None = None
   tied_embeddings: dict[str, str] | None = None
   mesh: jax.sharding.Mesh | None = None
+  axis_name: str | tuple[str, ...] | None = None
   max_factor_dim: int | str | None = "auto"
   curvature_batch_size: int | None = None
   factor_rank: int | None = None
@@ -207,6 +222,7 @@ class CurvatureOptions:
           "max_factor_dim must be a positive Python int, None (no bound) or "
           f"\"auto\" ({DEFAULT_MAX_FACTOR_DIM}), got {self.max_factor_dim!r}; with "
           "optax.inject_hyperparams, list it in static_args")
+    replicas.check_axis_name(self.axis_name)
     for pattern, choice in (self.layer_overrides or {}).items():
       if choice not in OVERRIDES:
         raise ValueError(f"layer_overrides[{pattern!r}] must be one of "

@@ -29,6 +29,7 @@ from kfac_optax._src.curvature import block_stacks
 from kfac_optax._src.curvature import explicit_axes
 from kfac_optax._src.curvature import model_call
 from kfac_optax._src.curvature import options
+from kfac_optax._src.curvature import replicas
 from kfac_optax._src.curvature import state
 from kfac_optax._src.curvature import summary
 from kfac_optax._src.models import capture
@@ -255,7 +256,8 @@ def warn_unmatched_overrides(settings: options.CurvatureOptions, params: Any) ->
 
 
 def discover(model: model_call.ModelCall, loss: losses.PredictiveLoss, params: Any,
-             batch: Any, variables: dict, mutable: Any, what: str) -> capture.Discovered:
+             batch: Any, variables: dict, mutable: Any, what: str,
+             axis_names: tuple[str, ...] = ()) -> capture.Discovered:
   """`front_end.discover` on ``batch``; a failure is re-raised naming its cause.
 
   The cause is told apart by what fails: ``inputs=``, the calling
@@ -263,7 +265,7 @@ def discover(model: model_call.ModelCall, loss: losses.PredictiveLoss, params: A
   model itself on this batch, or only K-FAC's capture (the model runs
   without the hooks). ``mutable=True`` (the example batch, which the caller
   has no other collections for) lets flax create every collection but
-  params.
+  params. ``axis_names``: see `_abstractly`.
   """
   call_kwargs = model.call_kwargs(None)
   if mutable is True:
@@ -283,27 +285,36 @@ def discover(model: model_call.ModelCall, loss: losses.PredictiveLoss, params: A
     jax.eval_shape(lambda out: loss.value(model.output(out), batch),
                    found[0].outputs)
   try:
-    _abstractly(run, params, batch, variables)
+    _abstractly(run, params, batch, variables, axis_names)
   except capture.ModelError:
     raise  # a front-end's own check names cause and fix
   except Exception as error:  # re-raised with the fix named
     if found:  # the model ran: outputs= or the loss's targets, named there
       raise
     raise _discovery_error(model, error, params, variables, batch, mutable,
-                           what) from error
+                           what, axis_names) from error
   return found[0]
 
 
-def _abstractly(fn: Any, params: Any, batch: Any, variables: dict) -> None:
+def _abstractly(fn: Any, params: Any, batch: Any, variables: dict,
+                axis_names: tuple[str, ...]) -> None:
   """``fn(params, batch, variables, None)`` traced (no FLOPs) as a pass of
-  the model (`explicit_axes.in_model_axes`); batch: arrays or shape structs."""
-  jax.eval_shape(lambda p, b, v: explicit_axes.in_model_axes(fn, p, b, v, None),
-                 params, batch, variables)
+  the model (`explicit_axes.in_model_axes`); batch: arrays or shape structs.
+
+  ``axis_names`` (the replicas' ``axis_name``) are bound, one replica each,
+  so that the model's own collectives over them (Flax's ImageNet ResNet's
+  ``BatchNorm(axis_name="batch")``) trace outside ``pmap`` too (``init``).
+  """
+  traced = lambda p, b, v: explicit_axes.in_model_axes(fn, p, b, v, None)
+  for name in axis_names:
+    traced = jax.vmap(traced, in_axes=None, out_axes=None, axis_size=1,
+                      axis_name=name)
+  jax.eval_shape(traced, params, batch, variables)
 
 
 def _discovery_error(model: model_call.ModelCall, error: Exception, params: Any,
-                     variables: dict, batch: Any, mutable: Any,
-                     what: str) -> Exception:
+                     variables: dict, batch: Any, mutable: Any, what: str,
+                     axis_names: tuple[str, ...]) -> Exception:
   """The error that names why discovery failed with ``error``."""
   if isinstance(params, Mapping) and "params" in params:
     return ValueError(
@@ -329,7 +340,7 @@ def _discovery_error(model: model_call.ModelCall, error: Exception, params: Any,
   try:
     _abstractly(lambda p, b, v, _: model.apply_fn(
         {"params": p, **v}, *model.args(b, what), mutable=mutable,
-        **model.call_kwargs(None)), params, batch, variables)
+        **model.call_kwargs(None)), params, batch, variables, axis_names)
   except Exception:  # the model fails on its own: the batch's structure
     return ValueError(
         f"scale_by_kfac could not run apply_fn on {what}: "
@@ -360,7 +371,8 @@ def make(model: model_call.ModelCall, loss: losses.PredictiveLoss,
     mutable: the collections the model may write (see `discover`).
     what: ``"batch"`` or ``"example_batch"``.
   """
-  discovered = discover(model, loss, params, batch, variables, mutable, what)
+  discovered = discover(model, loss, params, batch, variables, mutable, what,
+                        replicas.names(settings.axis_name))
   flat_params, _ = tree_paths.flatten(params)
   _check_real_floating(flat_params)
   perturbations = capture.by_layer(discovered.perturbations)

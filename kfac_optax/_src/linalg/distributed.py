@@ -95,7 +95,7 @@ def rows_over_mesh(rows: jax.Array) -> jax.Array:
   it, 13.1 without (the capture pass's activations placed differently too).
   """
   mesh = jax.sharding.get_abstract_mesh()
-  if (_ROWS_TYPED.get() or mesh.empty or mesh.size == 1
+  if (_ROWS_TYPED.get() or mesh.empty or mesh.size == 1 or mesh.manual_axes
       or rows.shape[1] % mesh.size):
     return rows
   return constrain(rows, PartitionSpec(None, mesh.axis_names, None))
@@ -104,12 +104,15 @@ def rows_over_mesh(rows: jax.Array) -> jax.Array:
 def stack_sharding(mesh: jax.sharding.Mesh | None) -> StackSharding | None:
   """How inverse stacks are distributed: over ``mesh``, else the context mesh.
 
-  Returns ``None`` (no distribution) without a mesh or on a single device.
-  Inside a context mesh `StackSharding.map` uses it (as an abstract mesh),
-  which also holds under `jax.sharding.auto_axes` (see
-  `curvature.explicit_axes`).
+  Returns ``None`` (no distribution) without a mesh, on a single device,
+  and inside ``pmap`` or ``shard_map`` (manual axes: each device runs the
+  step on its own share, `curvature.replicas`). Inside a context mesh
+  `StackSharding.map` uses it (as an abstract mesh), which also holds under
+  `jax.sharding.auto_axes` (see `curvature.explicit_axes`).
   """
   context = jax.sharding.get_abstract_mesh()
+  if context.manual_axes:
+    return None
   if not context.empty:
     axes, size, concrete = context.axis_names, context.size, None
   elif mesh is not None:

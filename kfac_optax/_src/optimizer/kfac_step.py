@@ -171,7 +171,8 @@ def _solved_coefficients(settings: Settings, v: Any, grads: Any, previous: Any,
   gram = jnp.array([[adaptive.tree_dot(a, b) for b in directions]
                     for a in directions])
   # Without λ: the model whose change ρ compares with the loss's.
-  undamped = flat(tangents) @ flat(fisher).T + l2_reg * gram
+  undamped = (curvature.over_replicas(flat(tangents) @ flat(fisher).T)
+              + l2_reg * gram)
   linear = jnp.stack([vg, adaptive.tree_dot(grads, previous)])
   alpha, mu_now, qmodel_change = adaptive.quadratic_coefficients(
       undamped + damping * gram, linear, lr, mu, gram[1, 1] > 0)
@@ -209,9 +210,10 @@ def _undamped_change(settings: Settings, coefficients: _Coefficients, delta: Any
   outputs, tangent = jax.jvp(
       lambda p: curvature.forward(p, batch, variables, rng), (params,), (delta,))
   fisher_tangent = curvature.output_fisher(outputs, batch, tangent)
+  fisher_term = curvature.over_replicas(
+      jnp.vdot(tangent.astype(jnp.float32), fisher_tangent))
   return (adaptive.tree_dot(grads, delta)
-          + 0.5 * (jnp.vdot(tangent.astype(jnp.float32), fisher_tangent)
-                   + l2_reg * adaptive.tree_dot(delta, delta))), outputs
+          + 0.5 * (fisher_term + l2_reg * adaptive.tree_dot(delta, delta))), outputs
 
 
 def _reduction_ratio(settings: Settings, coefficients: _Coefficients, delta: Any,
@@ -221,11 +223,12 @@ def _reduction_ratio(settings: Settings, coefficients: _Coefficients, delta: Any
   curvature, l2_reg = settings.curvature, settings.l2_reg
   change, outputs = _undamped_change(settings, coefficients, delta, grads,
                                      params, batch, variables, rng)
-  moved = curvature.loss_value(optax.apply_updates(params, delta), batch,
-                               variables, rng)
+  moved, before = curvature.over_replicas((
+      curvature.loss_value(optax.apply_updates(params, delta), batch, variables, rng),
+      curvature.loss.value(outputs, batch)))
   # The user's loss holds the L2 term the model's l2_reg stands for:
   # η/2 (‖θ+δ‖² - ‖θ‖²) of the change is its.
-  actual = (moved - curvature.loss.value(outputs, batch) + l2_reg * (
+  actual = (moved - before + l2_reg * (
       adaptive.tree_dot(params, delta) + 0.5 * adaptive.tree_dot(delta, delta)))
   # ρ compares an actual decrease with a predicted one: a step the model
   # does not predict to decrease the loss (a fixed learning rate that

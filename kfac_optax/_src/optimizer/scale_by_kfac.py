@@ -43,6 +43,7 @@ def scale_by_kfac(
     layer_overrides: dict[str, str] | None = _OPTIONS.layer_overrides,
     tied_embeddings: dict[str, str] | None = _OPTIONS.tied_embeddings,
     mesh: jax.sharding.Mesh | None = _OPTIONS.mesh,
+    axis_name: str | tuple[str, ...] | None = _OPTIONS.axis_name,
     max_factor_dim: int | str | None = _OPTIONS.max_factor_dim,
     curvature_batch_size: int | None = _OPTIONS.curvature_batch_size,
     factor_rank: int | None = _OPTIONS.factor_rank,
