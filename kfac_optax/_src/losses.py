@@ -51,7 +51,11 @@ class PredictiveLoss:
       per-token padding mask), or None for all. Masked terms leave the loss,
       its gradients and every K-FAC statistic (see `Terms`). Non-negative
       weights work too: the loss is ``Σ w NLL / Σ w``, and a term of weight
-      k enters every statistic as k copies of it would.
+      k enters every statistic as k copies of it would. For a distribution
+      independent per output unit (``sigmoid_cross_entropy``,
+      ``squared_error``) the mask may also have the outputs' shape: each
+      unit is then a term of its own (missing labels of a multi-label
+      task), the loss ``Σ_units w NLL_unit / Σ w``.
   """
 
   targets: Callable[[Batch], jax.Array] = _second_element
@@ -62,6 +66,9 @@ class PredictiveLoss:
   TARGETS: ClassVar[str] = ("targets of the outputs' shape (one output unit "
                             "still has its last axis: y[..., None])")
   INTEGER_TARGETS: ClassVar[bool] = False
+  # Independent per output unit (a diagonal output Fisher): a mask may
+  # select units.
+  PER_UNIT: ClassVar[bool] = False
 
   def target_shape(self, outputs_shape: tuple) -> tuple:
     """The shape ``targets(batch)`` must have for outputs of ``outputs_shape``."""
@@ -86,21 +93,35 @@ class PredictiveLoss:
     return targets
 
   def batch_mask(self, outputs: jax.Array, batch: Batch) -> jax.Array:
-    """``mask(batch)``, checked to have the terms' shape ``outputs.shape[:-1]``.
+    """``mask(batch)``, checked to have the terms' shape ``outputs.shape[:-1]``
+    (or, `PER_UNIT`, the outputs' shape).
 
     Raises:
       ValueError: if it has another shape (broadcasting would weight the
         wrong terms, or every term by every mask entry).
     """
     mask = self.mask(batch)
-    if jnp.shape(mask) != jnp.shape(outputs)[:-1]:
+    shape = jnp.shape(outputs)
+    if jnp.shape(mask) == shape and self.PER_UNIT:
+      return mask
+    if jnp.shape(mask) != shape[:-1]:
+      units = (f" or, one entry per output unit, the outputs' shape {shape}"
+               if self.PER_UNIT else
+               " (one entry per term: the last axis is the distribution's, so a "
+               "mask cannot select parts of it)")
       raise ValueError(
           f"{self.NAME}: mask(batch) has shape {jnp.shape(mask)} for outputs of "
-          f"shape {jnp.shape(outputs)}; it must have the shape of the loss "
-          f"terms, outputs.shape[:-1] = {jnp.shape(outputs)[:-1]} (one entry "
-          "per term: the last axis is the distribution's, so a mask cannot "
-          "select parts of it)")
+          f"shape {shape}; it must have the shape of the loss terms, "
+          f"outputs.shape[:-1] = {shape[:-1]}{units}")
     return mask
+
+  def output_weights(self, outputs: jax.Array, batch: Batch) -> jax.Array | None:
+    """The mask's weight of every output unit (broadcastable to
+    ``outputs``, negative weights as 0), or None without a mask."""
+    if self.mask is None:
+      return None
+    mask = jnp.maximum(self.batch_mask(outputs, batch).astype(jnp.float32), 0)
+    return mask if mask.ndim == jnp.ndim(outputs) else mask[..., None]
 
   def nll(self, outputs: jax.Array, targets: jax.Array) -> jax.Array:
     """Per-term negative log-likelihood, shape ``outputs.shape[:-1]``."""
@@ -124,17 +145,25 @@ class PredictiveLoss:
 
   def value(self, outputs: jax.Array, batch: Batch) -> jax.Array:
     """The training loss: the mean NLL over the (unmasked) terms of the batch."""
-    nll = self.nll(outputs, self.batch_targets(outputs, batch))
+    targets = self.batch_targets(outputs, batch)
     if self.mask is None:
-      return jnp.mean(nll)
-    mask = self.batch_mask(outputs, batch).astype(nll.dtype)
+      return jnp.mean(self.nll(outputs, targets))
+    mask = self.batch_mask(outputs, batch)
+    if mask.ndim == jnp.ndim(outputs):  # each unit a term: its own NLL
+      nll = self.nll(outputs[..., None], targets[..., None])
+    else:
+      nll = self.nll(outputs, targets)
+    mask = mask.astype(nll.dtype)
     return jnp.sum(nll * mask) / jnp.sum(mask)
 
   def terms(self, outputs: jax.Array, batch: Batch) -> "Terms":
-    """The loss terms of this batch: how many count, and which."""
+    """The loss terms of this batch: how many count, and which (a mask per
+    unit weighs each example by its units' weights: its number of terms)."""
     if self.mask is None:
       return Terms(outputs.size // outputs.shape[-1])
     mask = self.batch_mask(outputs, batch).astype(jnp.float32)
+    if mask.ndim == jnp.ndim(outputs):
+      mask = jnp.sum(mask, -1)
     return Terms(jnp.sum(mask), mask)
 
 
@@ -184,6 +213,7 @@ class Bernoulli(PredictiveLoss):
   """
 
   NAME = "sigmoid_cross_entropy"
+  PER_UNIT = True
 
   def nll(self, outputs, targets):
     return jnp.sum(optax.sigmoid_binary_cross_entropy(
@@ -209,6 +239,7 @@ class Gaussian(PredictiveLoss):
   """
 
   NAME = "squared_error"
+  PER_UNIT = True
 
   def nll(self, outputs, targets):
     return 0.5 * jnp.sum(
@@ -257,8 +288,8 @@ class Terms(NamedTuple):
 
   Attributes:
     count: L, the number of (unmasked) terms: the sum of their weights.
-    mask: float mask (or non-negative weights) over the loss's leading axes,
-      or None. A captured array whose leading axes equal the mask's shape (a
+    mask: float mask (or non-negative weights) over the loss's leading axes
+      (for a mask per output unit, each example's sum of its units'), or None. A captured array whose leading axes equal the mask's shape (a
       layer applied per token of a per-token loss, or any layer under a
       per-example mask) has its rows weighted by it, so masked positions
       never enter a statistic. Output gradients carry their term's weight
@@ -313,8 +344,8 @@ def output_cotangents(
     ``Σ_c r_c B_c / sqrt(K)`` of those columns (independent signs per term),
     whose expected sum of outer products is ``F_out`` (Martens et al. 2012).
   """
-  mask = 1.0 if loss.mask is None else jnp.sqrt(jnp.maximum(
-      loss.batch_mask(outputs, batch)[..., None].astype(outputs.dtype), 0))
+  weights = loss.output_weights(outputs, batch)
+  mask = 1.0 if weights is None else jnp.sqrt(weights).astype(outputs.dtype)
 
   def summed_nll_grad(targets):
     return jax.grad(lambda f: jnp.sum(loss.nll(f, targets)))(outputs)

@@ -5,6 +5,7 @@ errors for a model that K-FAC cannot call, each naming its real cause."""
 import collections
 import dataclasses
 import re
+from typing import NamedTuple
 
 import flax
 import flax.linen as nn
@@ -430,3 +431,31 @@ def test_raw_keys_are_accepted(tx_and_state):
   for raw in (jax.random.PRNGKey(5), np.asarray(jax.random.PRNGKey(5))):
     for a, b in zip(jax.tree.leaves(step(raw)), jax.tree.leaves(typed)):
       np.testing.assert_array_equal(a, b)
+
+
+class Graphs(NamedTuple):
+  """A structured input, as jraph's ``GraphsTuple``."""
+  nodes: jax.Array
+  scale: jax.Array
+
+
+class OnGraphs(nn.Module):
+
+  @nn.compact
+  def __call__(self, graphs):
+    return nn.Dense(3)(graphs.nodes * graphs.scale)
+
+
+@pytest.mark.parametrize("inputs", [lambda b: b[0], lambda b: (b[0],)],
+                         ids=["namedtuple", "wrapped in a tuple"])
+def test_a_namedtuple_input_is_one_input(inputs):
+  """The A factor is the brute-force mean of the Dense layer's ā āᵀ, whether
+  inputs= returns the NamedTuple or a tuple holding it."""
+  x = BATCH[0]
+  batch = (Graphs(x, jnp.full((len(x), 1), 2.0)), BATCH[1])
+  params = OnGraphs().init(jax.random.key(0), batch[0])["params"]
+  tx = kfac_optax.scale_by_kfac(OnGraphs().apply, LOSS, example_batch=batch,
+                                inputs=inputs, estimation="empirical")
+  factors = tx.update(params, tx.init(params), params, batch=batch)[1].factors
+  a_bar = np.concatenate([2.0 * np.asarray(x, np.float64), np.ones((len(x), 1))], 1)
+  assert bf.relative_error(factors["Dense_0"].a[0], a_bar.T @ a_bar / len(x)) < 1e-5

@@ -565,11 +565,11 @@ class Curvature(options.CurvatureOptions):
     """``(1/L) F_out u`` per term for output tangents ``u`` (``outputs``'
     shape, after any leading axes of a stack of them), each term weighted
     by the loss mask: masked terms zero."""
-    terms = self.loss.terms(outputs, batch)
     product = self.loss.fisher_product(outputs, tangents)
-    if terms.mask is not None:  # the terms' axes are the last but one
-      product = product * terms.mask[..., None]
-    return product / terms.count
+    weights = self.loss.output_weights(outputs, batch)
+    if weights is not None:
+      product = product * weights
+    return product / self.loss.terms(outputs, batch).count
 
   def exact_product(self, params: Any, batch: Any, vector: Any,
                     variables: dict | None = None, rng: jax.Array | None = None):

@@ -111,7 +111,9 @@ class ModelCall:
             f"inputs= could not read apply_fn's input from {what}: "
             f"{type(error).__name__}: {error}\nFix: "
             f"{BATCH_FIX.format(what=what)}") from error
-    return found if isinstance(found, tuple) else (found,)
+    # A plain tuple holds several inputs; a NamedTuple (jraph's GraphsTuple)
+    # is one structured input.
+    return found if type(found) is tuple else (found,)
 
   def call_kwargs(self, rng: jax.Array | None) -> dict[str, Any]:
     """apply_fn's keyword arguments: ``apply_kwargs`` and the ``rngs`` of

@@ -47,7 +47,8 @@ class CurvatureOptions:
   naming it, its value and the valid range).
 
   Attributes:
-    inputs: batch -> apply_fn's positional input (or tuple of them);
+    inputs: batch -> apply_fn's positional input (or a plain tuple of
+      them; a NamedTuple such as jraph's ``GraphsTuple`` is one input);
       default ``batch[0]`` for tuple/list batches. ``apply_fn`` is called as
       ``apply_fn({"params": params, **variables}, *inputs(batch),
       mutable=..., rngs=kfac_optax.model_rngs(key), **apply_kwargs)``
