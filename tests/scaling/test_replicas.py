@@ -119,18 +119,22 @@ def test_pmap_replicas_take_the_whole_batch_step(mode):
                                - params["Dense_0"]["kernel"]))) > 1e-2  # it moved
 
 
-def test_shard_map_replicas_take_the_whole_batch_step():
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_shard_map_replicas_take_the_whole_batch_step(check_vma):
   batch, params, variables = _problem()
   model = NormNet(axis_name="batch")
   tx = _kfac(model, "automatic", axis_name="batch")
   mesh = jax.make_mesh((REPLICAS,), ("batch",), devices=jax.devices()[:REPLICAS])
-  # Under shard_map the gradient of replicated params sums over the axis:
-  # the mean loss's gradient is the whole batch's.
-  mean_grad = lambda f, p: jax.grad(lambda q: jax.lax.pmean(f(q), "batch"))(p)
+  if check_vma:
+    # The gradient of replicated params sums over the axis: the mean loss's
+    # gradient is the whole batch's.
+    mean_grad = lambda f, p: jax.grad(lambda q: jax.lax.pmean(f(q), "batch"))(p)
+  else:  # untyped, each device's gradient is its own, as under pmap
+    mean_grad = lambda f, p: jax.lax.pmean(_local_grad(f, p), "batch")
   # out_specs P(): the new params and state must be one on every device.
   step = jax.jit(jax.shard_map(_step(model, tx, mean_grad), mesh=mesh,
                                in_specs=(P(), P(), P(), P("batch")),
-                               out_specs=(P(), P())))
+                               out_specs=(P(), P()), check_vma=check_vma))
   put = lambda tree, spec: jax.device_put(tree, NamedSharding(mesh, spec))
   p, state = put(params, P()), put(tx.init(params), P())
   for _ in range(STEPS):
