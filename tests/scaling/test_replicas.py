@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import kfac_optax
 
@@ -179,6 +179,22 @@ def test_independent_models_keep_their_own_statistics():
                   jax.tree.map(lambda a, r=r: a[r], shares))
     _assert_close(jax.tree.map(lambda a, r=r: a[r], state.curvature.factors),
                   want.curvature.factors)
+
+
+def test_shard_map_over_some_axes_only_is_named():
+  batch, params, variables = _problem()
+  model = NormNet(axis_name="data")
+  tx = _kfac(model, "fixed", axis_name="data")
+  mesh = jax.make_mesh((2, 2), ("data", "model"), (AxisType.Auto, AxisType.Auto),
+                       devices=jax.devices()[:4])
+  step = jax.jit(jax.shard_map(
+      _step(model, tx, lambda f, p: jax.grad(lambda q: jax.lax.pmean(f(q), "data"))(p)),
+      mesh=mesh, in_specs=(P(), P(), P(), P("data")), out_specs=(P(), P()),
+      axis_names={"data"}))
+  put = lambda tree, spec: jax.device_put(tree, NamedSharding(mesh, spec))
+  with pytest.raises(NotImplementedError, match=r"over the mesh axes \('data',\) only"):
+    step(put(params, P()), put(tx.init(params), P()), put(variables, P()),
+         put(batch, P("data")))
 
 
 def test_inside_pmap_without_axis_name_is_an_error():

@@ -374,6 +374,7 @@ class Curvature(options.CurvatureOptions):
       damping: λ for the inverses refreshed now; a refresh with a λ that
         is not a positive finite number is rejected (counted in the state).
     """
+    replicas.check_context()
     variables = dict(variables or {})
     params = param_boxes.values(params)
     batch = statistics_batch(batch, self.curvature_batch_size)

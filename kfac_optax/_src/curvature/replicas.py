@@ -61,6 +61,23 @@ def axes(axis_name: AxisName) -> tuple[str, ...]:
   return names(axis_name)
 
 
+def check_context() -> None:
+  """A `NotImplementedError` inside ``shard_map`` over some of the mesh's
+  axes only: there the model's arrays are typed by manual and Auto axes at
+  once, which K-FAC's abstract passes of the model (its discovery under
+  ``jax.eval_shape``) cannot carry (JAX 0.10 asserts)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = mesh.manual_axes
+  if manual and len(manual) < len(mesh.axis_names):
+    others = tuple(a for a in mesh.axis_names if a not in manual)
+    raise NotImplementedError(
+        f"K-FAC's update runs inside jax.shard_map over the mesh axes {manual} "
+        f"only, the axes {others} left to XLA: not supported.\nFix: write the "
+        "step with jax.jit and shardings (a batch sharded over the data axis, "
+        "docs/scaling.md, \"Data parallel\" and \"Sharded jobs\"), or "
+        "shard_map over every axis of the mesh.")
+
+
 def names(axis_name: AxisName) -> tuple[str, ...]:
   """``axis_name`` as a tuple of names (None: none)."""
   if axis_name is None:
