@@ -95,3 +95,27 @@ def test_a_categorical_loss_takes_no_mask_per_unit():
                                 inputs=lambda b: b["x"])
   with pytest.raises(ValueError, match="a mask cannot select parts of it"):
     tx.init(params)
+
+
+def test_a_mask_of_ones_per_unit_makes_the_mean_over_units():
+  """``mask`` of ones in the outputs' shape: the loss optax's mean over every
+  unit (as Flax's NNX VAE example takes it), and G the per-example loss's
+  G over the number of units, A unchanged."""
+  params, batch = problem()
+  ones = kfac_optax.losses.sigmoid_cross_entropy(
+      targets=lambda b: b["y"], mask=lambda b: jnp.ones_like(b["y"]))
+  per_example = kfac_optax.losses.sigmoid_cross_entropy(targets=lambda b: b["y"])
+  logits = bf.TinyMLP().apply({"params": params}, batch["x"])
+  np.testing.assert_allclose(
+      ones.value(logits, batch),
+      jnp.mean(optax.sigmoid_binary_cross_entropy(logits, batch["y"])), rtol=1e-6)
+
+  def factors(loss):
+    tx = kfac_optax.scale_by_kfac(bf.TinyMLP().apply, loss, example_batch=batch,
+                                  inputs=lambda b: b["x"], estimation="exact")
+    return tx.update(params, tx.init(params), params, batch=batch)[1].factors
+  with_ones, without = factors(ones), factors(per_example)
+  for name in bf.LAYERS:
+    assert bf.relative_error(with_ones[name].a, np.asarray(without[name].a)) < 1e-6
+    assert bf.relative_error(with_ones[name].g,
+                             np.asarray(without[name].g) / LABELS) < 1e-5
