@@ -289,7 +289,8 @@ class Terms(NamedTuple):
   Attributes:
     count: L, the number of (unmasked) terms: the sum of their weights.
     mask: float mask (or non-negative weights) over the loss's leading axes
-      (for a mask per output unit, each example's sum of its units'), or None. A captured array whose leading axes equal the mask's shape (a
+      (for a mask per output unit, each example's sum of its units'), or
+      None. A captured array whose leading axes equal the mask's shape (a
       layer applied per token of a per-token loss, or any layer under a
       per-example mask) has its rows weighted by it, so masked positions
       never enter a statistic. Output gradients carry their term's weight
