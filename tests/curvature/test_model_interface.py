@@ -459,3 +459,31 @@ def test_a_namedtuple_input_is_one_input(inputs):
   factors = tx.update(params, tx.init(params), params, batch=batch)[1].factors
   a_bar = np.concatenate([2.0 * np.asarray(x, np.float64), np.ones((len(x), 1))], 1)
   assert bf.relative_error(factors["Dense_0"].a[0], a_bar.T @ a_bar / len(x)) < 1e-5
+
+
+class KeywordInputs(nn.Module):
+  """Inputs by keyword only, as Flax's nlp_seq example's ``Transformer``."""
+
+  @nn.compact
+  def __call__(self, *, inputs, train):
+    del train
+    return nn.Dense(3)(inputs)
+
+
+def test_a_model_with_keyword_inputs_is_named_with_the_wrapper():
+  model = KeywordInputs()
+  params = model.init(jax.random.key(0), inputs=BATCH[0], train=False)["params"]
+  tx = kfac_optax.scale_by_kfac(model.apply, LOSS, example_batch=BATCH,
+                                apply_kwargs={"train": True})
+  with pytest.raises(TypeError, match=re.escape(
+      "KeywordInputs.__call__ cannot take K-FAC's call with the 1 positional "
+      "input(s) that inputs= gives: too many positional arguments.\nFix: a "
+      "model whose inputs are keywords needs an apply_fn that passes them on "
+      "by name, e.g. apply_fn=lambda variables, inputs, **kwargs: "
+      "model.apply(variables, inputs=inputs, **kwargs)")):
+    tx.init(params)
+  wrapped = kfac_optax.scale_by_kfac(
+      lambda variables, inputs, **kwargs: model.apply(variables, inputs=inputs, **kwargs),
+      LOSS, example_batch=BATCH, apply_kwargs={"train": True}, estimation="empirical")
+  assert "Dense_0" in wrapped.update(params, wrapped.init(params), params,
+                                     batch=BATCH)[1].factors

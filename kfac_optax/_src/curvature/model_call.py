@@ -17,6 +17,7 @@ import inspect
 from typing import Any, Callable
 
 import jax
+from flax import linen
 
 from kfac_optax._src import losses
 from kfac_optax._src.curvature import explicit_axes
@@ -166,3 +167,32 @@ class ModelCall:
           "function that accepts these arguments and passes them on, e.g. "
           "lambda variables, *inputs, **kwargs: model.apply(variables, "
           "*inputs, **kwargs).") from error
+    self._check_module_call(args)
+
+  def _check_module_call(self, args: tuple) -> None:
+    """A linen module's ``__call__`` (``apply_fn`` its bound ``apply``) must
+    take the inputs positionally: flax's nlp_seq example's ``__call__(self,
+    *, inputs, train)`` takes them by keyword only."""
+    module = getattr(self.apply_fn, "__self__", None)
+    kwargs = dict(self.apply_kwargs or {})
+    if not (isinstance(module, linen.Module) and "method" not in kwargs
+            and getattr(self.apply_fn, "__func__", None) is linen.Module.apply):
+      return
+    for own in ("capture_intermediates", "mutable", "rngs"):  # apply's own
+      kwargs.pop(own, None)
+    try:
+      inspect.signature(module.__call__).bind(*args, **kwargs)
+    except TypeError as error:
+      keywords = [p.name for p in inspect.signature(module.__call__).parameters.values()
+                  if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is p.empty]
+      names = [k for k in keywords if k not in kwargs]
+      wrapper = ", ".join(f"{k}={k}" for k in names)
+      raise TypeError(
+          f"{type(module).__name__}.__call__ cannot take K-FAC's call with "
+          f"the {len(args)} positional input(s) that inputs= gives: {error}."
+          "\nFix: a model whose inputs are keywords needs an apply_fn that "
+          "passes them on by name, e.g. "
+          f"apply_fn=lambda variables, {', '.join(names) or 'x'}, **kwargs: "
+          f"model.apply(variables, {wrapper or 'x=x'}, **kwargs), with "
+          "inputs= giving them in that order; constant call keywords (train="
+          ") go in apply_kwargs=.") from error
