@@ -178,12 +178,14 @@ class ModelCall:
     if not (isinstance(module, linen.Module) and "method" not in kwargs
             and getattr(self.apply_fn, "__func__", None) is linen.Module.apply):
       return
-    for own in ("capture_intermediates", "mutable", "rngs"):  # apply's own
-      kwargs.pop(own, None)
+    # apply's own keyword (rngs and mutable cannot reach here: the options
+    # and `check_signature` refuse them in apply_kwargs).
+    kwargs.pop("capture_intermediates", None)
+    signature = inspect.signature(module.__call__)
     try:
-      inspect.signature(module.__call__).bind(*args, **kwargs)
+      signature.bind(*args, **kwargs)
     except TypeError as error:
-      keywords = [p.name for p in inspect.signature(module.__call__).parameters.values()
+      keywords = [p.name for p in signature.parameters.values()
                   if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is p.empty]
       names = [k for k in keywords if k not in kwargs]
       wrapper = ", ".join(f"{k}={k}" for k in names)
