@@ -39,6 +39,7 @@ from kfac_optax._src.curvature import model_call
 from kfac_optax._src.curvature import options
 from kfac_optax._src.curvature import owner_statistics
 from kfac_optax._src.curvature import plan as plans
+from kfac_optax._src.curvature import reach
 from kfac_optax._src.curvature import replicas
 from kfac_optax._src.curvature import summary
 from kfac_optax._src.curvature import tile_placement
@@ -207,6 +208,9 @@ class Curvature(options.CurvatureOptions):
     plans.check_not_masked(params)
     dtype = linalg.curvature_dtype(params)
     plan = self._example_plan(params)
+    with explicit_axes.params_mesh(params):
+      reach.check(self.model, plan, params, self.example_batch,
+                  replicas.names(self.axis_name))
     if plan.unowned:
       summary.warn(plans.unowned_message(plan))
     plans.warn_unmatched_overrides(self, params)
@@ -242,23 +246,12 @@ class Curvature(options.CurvatureOptions):
   def _capture(self, plan, params, batch, variables, rng):
     """`capture.capture` of the model on ``batch``: its layers' inputs and
     output gradients, and the fallback params' gradients."""
-    flat_params, treedef = tree_paths.flatten(params)
+    flat_params = tree_paths.flatten(params)[0]
     sample_key, model_key = jax.random.split(rng)
-    run = front_end.hooked_apply(self.apply_fn, self.model.args(batch),
-                                 self.model.call_kwargs(model_key),
-                                 [*variables, capture.INPUTS])
-
-    def model(fallback_leaves, perturbations):
-      paths = {plan.fallback_paths[k]: leaf for k, leaf in fallback_leaves.items()}
-      full = tree_paths.rebuild(treedef, {**flat_params, **paths})
-      outputs, collections = run(
-          {"params": full, **variables, capture.PERTURBATIONS: perturbations})
-      # No captured layer (every param in the fallback): no kfac_inputs.
-      return self.model.output(outputs), collections.get(capture.INPUTS, {})
-
     local = functools.partial(replicas.per_device, like=(params, batch, variables, rng))
     return capture.capture(
-        model,
+        plans.hooked_model(self.model, plan, params, batch, variables, model_key,
+                           [*variables, capture.INPUTS]),
         local({k: flat_params[path] for k, path in plan.fallback_paths.items()}),
         local(capture.zeros(plan.perturbations)),
         lambda outputs: losses.output_cotangents(

@@ -94,8 +94,9 @@ class CurvatureOptions:
       ``{"train": True}``).
     layer_overrides: ``{path pattern: choice}``, patterns in `fnmatch`
       syntax over module paths joined by "/" (e.g. ``"encoder/*"``); the
-      first matching pattern wins. ``"skip"`` leaves the layer's gradients
-      unpreconditioned; ``"diagonal"`` gives its params the diagonal block
+      first matching pattern wins. ``"skip"`` leaves the gradients of every
+      param of the module unpreconditioned (captured layer or not: a
+      head the loss does not read, which ``init`` refuses otherwise); ``"diagonal"`` gives its params the diagonal block
       instead of their structured one. For dense and conv layers,
       ``"kron_in_diag"`` keeps the input factor diagonal (``diag(A) ⊗ G``),
       ``"kron_out_diag"`` the output factor (``A ⊗ diag(G)``),

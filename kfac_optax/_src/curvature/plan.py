@@ -265,7 +265,7 @@ def discover(model: model_call.ModelCall, loss: losses.PredictiveLoss, params: A
   model itself on this batch, or only K-FAC's capture (the model runs
   without the hooks). ``mutable=True`` (the example batch, which the caller
   has no other collections for) lets flax create every collection but
-  params. ``axis_names``: see `_abstractly`.
+  params. ``axis_names``: see `abstractly`.
   """
   call_kwargs = model.call_kwargs(None)
   if mutable is True:
@@ -285,7 +285,7 @@ def discover(model: model_call.ModelCall, loss: losses.PredictiveLoss, params: A
     jax.eval_shape(lambda out: loss.value(model.output(out), batch),
                    found[0].outputs)
   try:
-    _abstractly(run, params, batch, variables, axis_names)
+    abstractly(run, params, batch, variables, axis_names)
   except capture.ModelError:
     raise  # a front-end's own check names cause and fix
   except Exception as error:  # re-raised with the fix named
@@ -296,7 +296,7 @@ def discover(model: model_call.ModelCall, loss: losses.PredictiveLoss, params: A
   return found[0]
 
 
-def _abstractly(fn: Any, params: Any, batch: Any, variables: dict,
+def abstractly(fn: Any, params: Any, batch: Any, variables: dict,
                 axis_names: tuple[str, ...]) -> None:
   """``fn(params, batch, variables, None)`` traced (no FLOPs) as a pass of
   the model (`explicit_axes.in_model_axes`); batch: arrays or shape structs.
@@ -338,7 +338,7 @@ def _discovery_error(model: model_call.ModelCall, error: Exception, params: Any,
         "jax.sharding.reshard), or make the mesh axes Auto "
         "(jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto, ...))).")
   try:
-    _abstractly(lambda p, b, v, _: model.apply_fn(
+    abstractly(lambda p, b, v, _: model.apply_fn(
         {"params": p, **v}, *model.args(b, what), mutable=mutable,
         **model.call_kwargs(None)), params, batch, variables, axis_names)
   except Exception:  # the model fails on its own: the batch's structure
@@ -406,7 +406,9 @@ def make(model: model_call.ModelCall, loss: losses.PredictiveLoss,
         factor_block_size=settings.factor_block_size)
     layers[tree_paths.key(path)] = (path, block)
     owned.update(path + (name,) for name in block.param_names)
-  fallback_paths = {tree_paths.key(k): k for k in flat_params if k not in owned}
+  # "skip" leaves a module's params unpreconditioned, captured layer or not.
+  fallback_paths = {tree_paths.key(k): k for k in flat_params
+                    if k not in owned and settings.override_for(k[:-1]) != "skip"}
   fallback = blocks.DiagonalBlock(
       {key: jnp.shape(flat_params[path])
        for key, path in fallback_paths.items()}) if fallback_paths else None
@@ -415,6 +417,25 @@ def make(model: model_call.ModelCall, loss: losses.PredictiveLoss,
   calls_in_use = {call for calls in tied.values() for call in calls}
   return Plan(layers, fallback, fallback_paths, discovered.perturbations, tied,
               {p: layout for p, layout in unowned.items() if p not in calls_in_use})
+
+
+def hooked_model(model: model_call.ModelCall, plan: Plan, params: Any, batch: Any,
+                 variables: dict, model_key: jax.Array | None, mutable: Any) -> Any:
+  """``(fallback leaves, perturbations) -> (loss outputs, kfac_inputs)``: the
+  model on ``batch`` under the capture's hooks, with the diagonal fallback's
+  leaves and the layers' output perturbations as its inputs."""
+  flat_params, treedef = tree_paths.flatten(params)
+  run = front_end.hooked_apply(model.apply_fn, model.args(batch),
+                               model.call_kwargs(model_key), mutable)
+
+  def hooked(fallback_leaves, perturbations):
+    paths = {plan.fallback_paths[k]: leaf for k, leaf in fallback_leaves.items()}
+    full = tree_paths.rebuild(treedef, {**flat_params, **paths})
+    outputs, collections = run(
+        {"params": full, **variables, capture.PERTURBATIONS: perturbations})
+    # No captured layer (every param in the fallback): no kfac_inputs.
+    return model.output(outputs), collections.get(capture.INPUTS, {})
+  return hooked
 
 
 def check_state(plan: Plan, factors: Any) -> None:
