@@ -13,6 +13,7 @@ product ``F_out u`` (exact curvature-vector products).
 """
 
 import dataclasses
+import math
 from typing import Any, Callable, ClassVar, NamedTuple
 
 import jax
@@ -69,6 +70,13 @@ class PredictiveLoss:
   # Independent per output unit (a diagonal output Fisher): a mask may
   # select units.
   PER_UNIT: ClassVar[bool] = False
+
+  # How many arrays of the model's outputs the loss reads (`joint`: several).
+  num_outputs: ClassVar[int] = 1
+
+  def term_shape(self, outputs: Any) -> tuple:
+    """The shape of the loss terms: the outputs' leading axes."""
+    return tuple(jnp.shape(outputs)[:-1])
 
   def target_shape(self, outputs_shape: tuple) -> tuple:
     """The shape ``targets(batch)`` must have for outputs of ``outputs_shape``."""
@@ -127,6 +135,12 @@ class PredictiveLoss:
     """Per-term negative log-likelihood, shape ``outputs.shape[:-1]``."""
     raise NotImplementedError
 
+  def nll_grad(self, outputs: Any, targets: Any) -> Any:
+    """``∂ Σ_terms NLL / ∂f``: the output gradient whose outer products
+    estimate the output Fisher (`joint` scales each head's by the square
+    root of its weight)."""
+    return jax.grad(lambda f: jnp.sum(self.nll(f, targets)))(outputs)
+
   def sample(self, rng: jax.Array, outputs: jax.Array) -> jax.Array:
     """One draw of targets from the model's predictive distribution."""
     raise NotImplementedError
@@ -149,7 +163,7 @@ class PredictiveLoss:
     if self.mask is None:
       return jnp.mean(self.nll(outputs, targets))
     mask = self.batch_mask(outputs, batch)
-    if mask.ndim == jnp.ndim(outputs):  # each unit a term: its own NLL
+    if self.PER_UNIT and mask.ndim == jnp.ndim(outputs):  # each unit a term
       nll = self.nll(outputs[..., None], targets[..., None])
     else:
       nll = self.nll(outputs, targets)
@@ -160,9 +174,9 @@ class PredictiveLoss:
     """The loss terms of this batch: how many count, and which (a mask per
     unit weighs each example by its units' weights: its number of terms)."""
     if self.mask is None:
-      return Terms(outputs.size // outputs.shape[-1])
+      return Terms(math.prod(self.term_shape(outputs)))
     mask = self.batch_mask(outputs, batch).astype(jnp.float32)
-    if mask.ndim == jnp.ndim(outputs):
+    if self.PER_UNIT and mask.ndim == jnp.ndim(outputs):
       mask = jnp.sum(mask, -1)
     return Terms(jnp.sum(mask), mask)
 
@@ -278,6 +292,117 @@ def squared_error(
   return Gaussian(targets, mask)
 
 
+@dataclasses.dataclass(frozen=True)
+class Joint(PredictiveLoss):
+  """Several heads' distributions, independent given the model: the
+  outputs are a tuple ``(f_1, ..., f_H)``, head ``h`` reads ``f_h``.
+
+  With weights ``c_h`` the loss is ``Σ_h c_h NLL_h`` per term (an
+  actor-critic's policy cross-entropy plus ``c`` times its value's squared
+  error), and its Fisher, equal to its GGN, is ``Σ_h c_h J_hᵀ F_h J_h``:
+  K-FAC's output gradients carry ``√c_h`` on head ``h``, one backward pass
+  for all heads. Sampled targets are drawn per head; their cross terms
+  vanish in expectation. The empirical Fisher is the outer product of
+  ``Σ_h √c_h ∇NLL_h``. Every head has the same terms (the same leading
+  axes, e.g. one per example); one ``mask`` weighs them for all heads.
+  """
+
+  heads: tuple[PredictiveLoss, ...] = ()
+  weights: tuple[float, ...] = ()
+
+  NAME = "joint"
+
+  def __post_init__(self):
+    if not self.heads or not all(isinstance(h, PredictiveLoss)
+                                 and not isinstance(h, Joint) for h in self.heads):
+      raise TypeError("joint takes kfac_optax.losses distributions, one per "
+                      f"head (not joint ones), got {self.heads!r}")
+    if any(h.mask is not None for h in self.heads):
+      raise ValueError("joint: the heads' terms are weighed by one mask for all "
+                       "of them; pass mask= to joint, not to a head")
+    if len(self.weights) != len(self.heads) or not all(
+        isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0
+        for c in self.weights):
+      raise ValueError(f"joint: weights must be {len(self.heads)} positive "
+                       f"numbers, one per head, got {self.weights!r}")
+
+  @property
+  def num_outputs(self) -> int:
+    return len(self.heads)
+
+  def term_shape(self, outputs):
+    shapes = [head.term_shape(f) for head, f in zip(self.heads, outputs)]
+    if len(set(shapes)) != 1:
+      raise ValueError(
+          f"joint: the heads' outputs have leading axes {shapes}, but every head "
+          "must have the same terms (e.g. one per example: shapes (batch, "
+          "classes) and (batch, 1)); reshape a head's outputs to match")
+    return shapes[0]
+
+  def batch_targets(self, outputs, batch):
+    return tuple(head.batch_targets(f, batch) for head, f in zip(self.heads, outputs))
+
+  def batch_mask(self, outputs, batch):
+    mask, terms = self.mask(batch), self.term_shape(outputs)
+    if jnp.shape(mask) != terms:
+      raise ValueError(f"joint: mask(batch) has shape {jnp.shape(mask)}; it must "
+                       f"have the shape of the heads' terms, {terms}")
+    return mask
+
+  def output_weights(self, outputs, batch):
+    if self.mask is None:
+      return None
+    mask = jnp.maximum(self.batch_mask(outputs, batch).astype(jnp.float32), 0)
+    return tuple(mask[..., None] for _ in self.heads)
+
+  def nll(self, outputs, targets):
+    self.term_shape(outputs)  # the heads' terms must line up, not broadcast
+    return sum(c * head.nll(f, y) for head, c, f, y
+               in zip(self.heads, self.weights, outputs, targets))
+
+  def nll_grad(self, outputs, targets):
+    return tuple(math.sqrt(c) * head.nll_grad(f, y) for head, c, f, y
+                 in zip(self.heads, self.weights, outputs, targets))
+
+  def sample(self, rng, outputs):
+    keys = jax.random.split(rng, len(self.heads))
+    return tuple(head.sample(key, f) for head, key, f in zip(self.heads, keys, outputs))
+
+  def fisher_sqrt(self, outputs):
+    # Head h's columns, scaled by √c_h, where the other heads' are zero.
+    columns = [math.sqrt(c) * head.fisher_sqrt(f)
+               for head, c, f in zip(self.heads, self.weights, outputs)]
+    counts = [len(b) for b in columns]
+    return tuple(
+        jnp.concatenate([b if i == h else jnp.zeros((n, *b.shape[1:]), b.dtype)
+                         for i, n in enumerate(counts)])
+        for h, b in enumerate(columns))
+
+  def fisher_product(self, outputs, u):
+    return tuple(c * head.fisher_product(f, v) for head, c, f, v
+                 in zip(self.heads, self.weights, outputs, u))
+
+
+def joint(*heads: PredictiveLoss, weights: tuple[float, ...] | None = None,
+          mask: Callable[[Batch], jax.Array] | None = None) -> Joint:
+  """Several heads' losses as one: ``Σ_h weights[h] · NLL_h`` per term.
+
+  The model's outputs (``outputs=``) are a tuple with one array per head, in
+  order; each head reads its own ``targets=``. E.g. an actor-critic's
+  ``joint(softmax_cross_entropy(targets=lambda b: b["actions"]),
+  squared_error(targets=lambda b: b["returns"][:, None]), weights=(1.0,
+  0.5))`` for outputs ``(logits, value)``: K-FAC's curvature is then the
+  sum of the policy's and the value's Fisher, as in ACKTR (Wu et al. 2017).
+
+  Args:
+    *heads: one `kfac_optax.losses` distribution per head, without a mask.
+    weights: each head's ``c_h > 0`` (default 1 each).
+    mask: batch -> weights of the terms, shared by every head.
+  """
+  return Joint(mask=mask, heads=tuple(heads),
+               weights=tuple(weights) if weights is not None else (1.0,) * len(heads))
+
+
 def _diagonal_embed(x: jax.Array) -> jax.Array:
   """[..., C] -> [..., C, C] with x on the diagonal."""
   return x[..., :, None] * jnp.eye(x.shape[-1], dtype=x.dtype)
@@ -323,15 +448,16 @@ class Terms(NamedTuple):
 
 def output_cotangents(
     loss: PredictiveLoss,
-    outputs: jax.Array,
+    outputs: Any,
     batch: Batch,
     estimation: Estimation,
     rng: jax.Array | None,
     num_samples: int,
-) -> jax.Array:
+) -> Any:
   """Cotangents on the model output whose backward passes give K-FAC's ``g``.
 
-  Returns an array of shape ``(K, *outputs.shape)``, zero at masked terms
+  Returns an array of shape ``(K, *outputs.shape)`` (for `joint`, one per
+  head's outputs, the heads' K the same), zero at masked terms
   and scaled by the square root of a weighted term's weight. Back-propagating
   cotangent ``k`` gives layer output gradients ``g_k``, scaled so that every
   Fisher estimate is the plain sum ``Σ_k g_k g_kᵀ``:
@@ -346,26 +472,31 @@ def output_cotangents(
     whose expected sum of outer products is ``F_out`` (Martens et al. 2012).
   """
   weights = loss.output_weights(outputs, batch)
-  mask = 1.0 if weights is None else jnp.sqrt(weights).astype(outputs.dtype)
-
-  def summed_nll_grad(targets):
-    return jax.grad(lambda f: jnp.sum(loss.nll(f, targets)))(outputs)
+  scale = lambda tree, factor: jax.tree.map(lambda c: c * factor, tree)
 
   if estimation == "empirical":
-    cotangents = summed_nll_grad(loss.batch_targets(outputs, batch))[None]
+    cotangents = jax.tree.map(lambda c: c[None], loss.nll_grad(
+        outputs, loss.batch_targets(outputs, batch)))
   elif estimation == "fisher":
     keys = jax.random.split(rng, num_samples)
     samples = jax.vmap(loss.sample, in_axes=(0, None))(keys, outputs)
-    cotangents = jax.vmap(summed_nll_grad)(samples) / jnp.sqrt(num_samples)
+    cotangents = scale(jax.vmap(lambda y: loss.nll_grad(outputs, y))(samples),
+                       1 / math.sqrt(num_samples))
   elif estimation == "exact":
     cotangents = loss.fisher_sqrt(outputs)
   elif estimation == "curvature_prop":
-    columns = loss.fisher_sqrt(outputs)  # (C, *outputs.shape)
+    columns = loss.fisher_sqrt(outputs)  # (C, *outputs.shape) per output array
     signs = jax.random.rademacher(
-        rng, (num_samples, columns.shape[0], *outputs.shape[:-1]), jnp.float32)
-    cotangents = jnp.einsum("kc...,c...j->k...j", signs, columns) / jnp.sqrt(num_samples)
+        rng, (num_samples, jax.tree.leaves(columns)[0].shape[0],
+              *loss.term_shape(outputs)), jnp.float32)
+    cotangents = scale(jax.tree.map(
+        lambda b: jnp.einsum("kc...,c...j->k...j", signs, b), columns),
+        1 / math.sqrt(num_samples))
   else:
     raise ValueError(
         f"estimation must be one of {ESTIMATIONS}, got {estimation!r}")
   # Masked terms: no gradient; weighted ones: Σ_k g gᵀ scales by the weight.
-  return (cotangents * mask).astype(outputs.dtype)
+  if weights is None:
+    return jax.tree.map(lambda c, f: c.astype(f.dtype), cotangents, outputs)
+  return jax.tree.map(lambda c, w, f: (c * jnp.sqrt(w)).astype(f.dtype),
+                      cotangents, weights, outputs)

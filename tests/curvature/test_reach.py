@@ -70,6 +70,12 @@ def test_a_head_the_loss_does_not_read_is_refused_naming_the_fix():
   assert "'value' (layer)" in message and "'log_std' (param)" in message
   assert "'hidden'" not in message and "'policy'" not in message
   assert "layer_overrides={'': 'skip', 'value': 'skip'}" in message
+  assert "losses.joint(policy_loss, value_loss" in message
+  # Modelling both heads reaches every layer and param.
+  both = kfac_optax.losses.joint(
+      LOSS, kfac_optax.losses.squared_error(targets=lambda b: b[0][:, :1]))
+  kfac_optax.kfac(model.apply, both, example_batch=BATCH,
+                  learning_rate=1e-2).init(params)
 
 
 def test_a_layer_behind_stop_gradient_is_refused():

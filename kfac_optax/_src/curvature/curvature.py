@@ -151,7 +151,7 @@ class Curvature(options.CurvatureOptions):
   def model(self) -> model_call.ModelCall:
     """How K-FAC calls the model (see `model_call`)."""
     return model_call.ModelCall(self.apply_fn, self.inputs, self.outputs,
-                                self.apply_kwargs)
+                                self.apply_kwargs, self.loss.num_outputs)
 
   def forward(self, params: Any, batch: Any, variables: dict | None = None,
               rng: jax.Array | None = None) -> Any:
@@ -555,15 +555,16 @@ class Curvature(options.CurvatureOptions):
     outputs, push = jax.linearize(model, params)
     return outputs, jax.vmap(push)(vectors)
 
-  def output_fisher(self, outputs: Any, batch: Any, tangents: jax.Array) -> jax.Array:
+  def output_fisher(self, outputs: Any, batch: Any, tangents: Any) -> Any:
     """``(1/L) F_out u`` per term for output tangents ``u`` (``outputs``'
-    shape, after any leading axes of a stack of them), each term weighted
-    by the loss mask: masked terms zero."""
+    shape, after any leading axes of a stack of them; a tuple of such for a
+    `losses.joint`), each term weighted by the loss mask: masked terms zero."""
     product = self.loss.fisher_product(outputs, tangents)
     weights = self.loss.output_weights(outputs, batch)
     if weights is not None:
-      product = product * weights
-    return product / self.loss.terms(outputs, batch).count
+      product = jax.tree.map(jnp.multiply, product, weights)
+    count = self.loss.terms(outputs, batch).count
+    return jax.tree.map(lambda p: p / count, product)
 
   def exact_product(self, params: Any, batch: Any, vector: Any,
                     variables: dict | None = None, rng: jax.Array | None = None):
@@ -578,5 +579,6 @@ class Curvature(options.CurvatureOptions):
     model = lambda p: self.forward(p, batch, variables, rng)
     outputs, tangent = jax.jvp(model, (params,), (vector,))
     _, pull = jax.vjp(model, params)
-    return self.over_replicas(
-        pull(self.output_fisher(outputs, batch, tangent).astype(outputs.dtype))[0])
+    return self.over_replicas(pull(jax.tree.map(
+        lambda p, f: p.astype(f.dtype), self.output_fisher(outputs, batch, tangent),
+        outputs))[0])

@@ -90,15 +90,18 @@ class ModelCall:
       `nnx_capture.NNXModel`.
     inputs: batch -> apply_fn's positional input (or a tuple of them);
       None: ``batch[0]``.
-    outputs: apply_fn's return value -> the array the loss reads; None: the
-      return value itself.
+    outputs: apply_fn's return value -> the array the loss reads (a tuple
+      of ``num_outputs`` arrays for a `losses.joint`); None: the return
+      value itself.
     apply_kwargs: constant keyword arguments of ``apply_fn``.
+    num_outputs: how many arrays the loss reads.
   """
 
   apply_fn: Callable[..., Any]
   inputs: Callable[[Any], Any] | None = None
   outputs: Callable[[Any], Any] | None = None
   apply_kwargs: dict[str, Any] | None = None
+  num_outputs: int = 1
 
   def args(self, batch: Any, what: str = "batch") -> tuple:
     """apply_fn's positional inputs from ``batch`` (named ``what`` in errors)."""
@@ -130,6 +133,8 @@ class ModelCall:
         Face's ``ModelOutput``, a tuple), naming ``outputs=``.
     """
     found = out if self.outputs is None else self.outputs(out)
+    if self.num_outputs > 1:
+      return self._joint_outputs(found)
     if not _is_array(found):
       source = ("outputs= returned" if self.outputs is not None
                 else "apply_fn returned")
@@ -140,6 +145,20 @@ class ModelCall:
           "(or Curvature), a function from apply_fn's return value to the array "
           f"the loss reads, e.g. {hint}")
     return found
+
+  def _joint_outputs(self, found: Any) -> tuple:
+    """``found`` as the tuple of arrays a `losses.joint` reads."""
+    if (not isinstance(found, (tuple, list)) or len(found) != self.num_outputs
+        or not all(_is_array(f) for f in found)):
+      source = ("outputs= returned" if self.outputs is not None
+                else "apply_fn returned")
+      raise TypeError(
+          f"{source} {type(found).__name__}, but the joint loss reads a tuple "
+          f"of {self.num_outputs} arrays, one per head in the order of its "
+          "heads.\nFix: pass outputs= to scale_by_kfac/kfac (or Curvature), "
+          "a function from apply_fn's return value to that tuple, e.g. "
+          "outputs=lambda out: (out['logits'], out['value'])")
+    return tuple(found)
 
   def forward(self, params: Any, batch: Any, variables: dict | None = None,
               rng: jax.Array | None = None) -> Any:

@@ -126,5 +126,8 @@ def unreached_message(layers: list[str], leaves: list[str]) -> str:
       "damped inverse would scale your gradient there by a factor that the "
       "damping sets, not any curvature (up to 1/damping).\nFix: leave them unpreconditioned, layer_overrides="
       f"{skip!r}{more} (their gradient passes through, scaled by the step's "
-      "learning rate); or, if `outputs=` picks the wrong part of what the "
-      "model returns, pick the array your loss reads.")
+      "learning rate); or, if your loss has a term for a head K-FAC's loss "
+      "leaves out (an actor-critic's value), model both: loss=kfac_optax."
+      "losses.joint(policy_loss, value_loss, weights=(1.0, c)) with outputs= "
+      "returning the tuple of the heads' outputs; or, if `outputs=` picks the "
+      "wrong part of what the model returns, pick the array your loss reads.")

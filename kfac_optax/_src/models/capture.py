@@ -212,18 +212,19 @@ def capture(
     primals: extra differentiable inputs (parameters whose gradients the
       caller wants per cotangent, e.g. those of the diagonal fallback).
     perturbations: the zero ``kfac_perturbations`` collection.
-    cotangents_fn: ``outputs -> (K, *outputs.shape)`` output cotangents.
+    cotangents_fn: ``outputs -> (K, *outputs.shape)`` output cotangents
+      (for outputs of several arrays, one such per array).
 
   Returns:
     The captured inputs and gradients, see `Captured`.
   """
   outputs, vjp_fn, inputs = jax.vjp(model, primals, perturbations, has_aux=True)
   cotangents = cotangents_fn(outputs)
-  if len(cotangents) == 1:
+  if len(jax.tree.leaves(cotangents)[0]) == 1:
     # Unbatched, the backward pass computes what the user's own backward does
     # in the same shapes (e.g. max-pooling's argmax), so XLA can share it.
-    primal_grads, perturbation_grads = jax.tree.map(lambda g: g[None],
-                                                    vjp_fn(cotangents[0]))
+    primal_grads, perturbation_grads = jax.tree.map(
+        lambda g: g[None], vjp_fn(jax.tree.map(lambda c: c[0], cotangents)))
   else:
     primal_grads, perturbation_grads = jax.vmap(vjp_fn)(cotangents)
   inputs, grads = by_method(inputs), by_method(perturbation_grads)

@@ -171,7 +171,9 @@ def _solved_coefficients(settings: Settings, v: Any, grads: Any, previous: Any,
   gram = jnp.array([[adaptive.tree_dot(a, b) for b in directions]
                     for a in directions])
   # Without λ: the model whose change ρ compares with the loss's.
-  undamped = (curvature.over_replicas(flat(tangents) @ flat(fisher).T)
+  undamped = (curvature.over_replicas(sum(
+      flat(t) @ flat(f).T for t, f in zip(jax.tree.leaves(tangents),
+                                          jax.tree.leaves(fisher))))
               + l2_reg * gram)
   linear = jnp.stack([vg, adaptive.tree_dot(grads, previous)])
   alpha, mu_now, qmodel_change = adaptive.quadratic_coefficients(
@@ -210,8 +212,7 @@ def _undamped_change(settings: Settings, coefficients: _Coefficients, delta: Any
   outputs, tangent = jax.jvp(
       lambda p: curvature.forward(p, batch, variables, rng), (params,), (delta,))
   fisher_tangent = curvature.output_fisher(outputs, batch, tangent)
-  fisher_term = curvature.over_replicas(
-      jnp.vdot(tangent.astype(jnp.float32), fisher_tangent))
+  fisher_term = curvature.over_replicas(adaptive.tree_dot(tangent, fisher_tangent))
   return (adaptive.tree_dot(grads, delta)
           + 0.5 * (fisher_term + l2_reg * adaptive.tree_dot(delta, delta))), outputs
 
