@@ -271,6 +271,64 @@ class Gaussian(PredictiveLoss):
     return precision.at_least_float32(u)
 
 
+class DiagonalNormal(PredictiveLoss):
+  """Normal with a learned diagonal variance: the last axis of ``f`` holds
+  the means and the log standard deviations, ``f = [μ, s]``, ``σ = exp(s)``.
+
+  Targets have ``f``'s shape with half its last axis. Per term, ``NLL =
+  Σ_j s_j + (y_j - μ_j)² / (2σ_j²) + ½ log 2π``. The output Fisher in these
+  coordinates is diagonal, ``diag(1/σ², 2)``: ``E[(y-μ)²/σ⁴] = 1/σ²`` for
+  the means and ``E[((y-μ)²/σ² - 1)²] = 2`` for the log scales, the cross
+  terms odd moments, zero.
+  """
+
+  NAME = "diagonal_normal"
+  TARGETS = ("targets with the outputs' shape but half their last axis (the "
+             "outputs hold the means, then the log standard deviations)")
+
+  def target_shape(self, outputs_shape):
+    *terms, width = outputs_shape
+    if width % 2:
+      raise ValueError(
+          f"{self.NAME}: the outputs' last axis has {width} entries, but it "
+          "must hold the means and the log standard deviations, one of each "
+          "per target: an even number (e.g. nn.Dense(2 * d))")
+    return (*terms, width // 2)
+
+  def _split(self, outputs):
+    mean, log_scale = jnp.split(precision.at_least_float32(outputs), 2, axis=-1)
+    return mean, log_scale
+
+  def nll(self, outputs, targets):
+    mean, log_scale = self._split(outputs)
+    z = (targets - mean) * jnp.exp(-log_scale)
+    return jnp.sum(log_scale + 0.5 * jnp.square(z) + 0.5 * jnp.log(2 * jnp.pi), -1)
+
+  def sample(self, rng, outputs):
+    mean, log_scale = self._split(outputs)
+    return mean + jnp.exp(log_scale) * jax.random.normal(rng, mean.shape)
+
+  def _fisher_diagonal(self, outputs):
+    _, log_scale = self._split(outputs)
+    return jnp.concatenate([jnp.exp(-2 * log_scale),
+                            jnp.full_like(log_scale, 2.0)], -1)
+
+  def fisher_sqrt(self, outputs):
+    return jnp.moveaxis(_diagonal_embed(jnp.sqrt(self._fisher_diagonal(outputs))), -2, 0)
+
+  def fisher_product(self, outputs, u):
+    return self._fisher_diagonal(outputs) * u
+
+
+def diagonal_normal(
+    targets: Callable[[Batch], jax.Array] = _second_element,
+    mask: Callable[[Batch], jax.Array] | None = None) -> DiagonalNormal:
+  """Normal NLL with learned means and log standard deviations ``[μ, log σ]``
+  on the outputs' last axis (heteroscedastic regression, a continuous
+  policy); targets have half that axis."""
+  return DiagonalNormal(targets, mask)
+
+
 def softmax_cross_entropy(
     targets: Callable[[Batch], jax.Array] = _second_element,
     mask: Callable[[Batch], jax.Array] | None = None) -> Categorical:
