@@ -119,7 +119,7 @@ def test_unthreaded_scan_layers_can_take_the_diagonal_block():
   model = scanned_net({"params": 0})
   params = model.init(jax.random.key(1), x)["params"]
   unthreaded = kfac_optax.scale_by_kfac(model.apply, LOSS, example_batch=(x, y))
-  with pytest.raises(ValueError, match="runs inside a flax lifted transform") as error:
+  with pytest.raises(ValueError, match="inside a flax lifted transform") as error:
     unthreaded.init(params)
   # The advice names a pattern for every layer under the transform.
   assert "layer_overrides={'stack/*': 'diagonal'}" in str(error.value)
@@ -153,7 +153,7 @@ def test_the_advice_for_weights_shared_over_a_scan_makes_them_blocks():
   params = SharedOverTime({}).init(jax.random.key(1), x)["params"]
   unthreaded = kfac_optax.scale_by_kfac(SharedOverTime({}).apply, LOSS,
                                         example_batch=batch)
-  with pytest.raises(ValueError, match="runs inside a flax lifted transform") as error:
+  with pytest.raises(ValueError, match="inside a flax lifted transform") as error:
     unthreaded.init(params)
   advice = ("for weights shared over a scan's steps nn.scan(..., "
             "variable_broadcast='params', variable_axes={'kfac_inputs': 0, "
@@ -164,6 +164,30 @@ def test_the_advice_for_weights_shared_over_a_scan_makes_them_blocks():
   state = tx.init(params)
   assert set(state.factors) == {"lstm/ii", "lstm/if", "lstm/ig", "lstm/io",
                                 "lstm/hi", "lstm/hf", "lstm/hg", "lstm/ho", "head"}
+
+
+class Bidirectional(nn.Module):
+  """Two LSTMs scanned as Flax's sst2 example does, neither threaded."""
+
+  @nn.compact
+  def __call__(self, x):
+    outputs = [SharedOverTime({}, name=name)(x) for name in ("forward", "backward")]
+    return outputs[0] + outputs[1]
+
+
+def test_every_unthreaded_transform_is_named_at_once():
+  x = jax.random.normal(jax.random.key(0), (6, 5, 2))
+  params = Bidirectional().init(jax.random.key(1), x)["params"]
+  tx = kfac_optax.scale_by_kfac(Bidirectional().apply, LOSS,
+                                example_batch=(x, jnp.arange(6) % 3))
+  with pytest.raises(ValueError, match="the layers at 'forward/lstm/ii', ") as error:
+    tx.init(params)
+  assert ("layer_overrides={'forward/lstm/*': 'diagonal', 'backward/lstm/*': "
+          "'diagonal'}") in str(error.value)
+  kfac_optax.scale_by_kfac(
+      Bidirectional().apply, LOSS, example_batch=(x, jnp.arange(6) % 3),
+      layer_overrides={"forward/lstm/*": "diagonal", "backward/lstm/*": "diagonal"},
+  ).init(params)
 
 
 class Member(nn.Module):

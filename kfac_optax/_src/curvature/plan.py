@@ -377,7 +377,7 @@ def make(model: model_call.ModelCall, loss: losses.PredictiveLoss,
   _check_real_floating(flat_params)
   perturbations = capture.by_layer(discovered.perturbations)
   tied = _tied_calls(settings.tied_embeddings or {}, discovered, flat_params)
-  layers, owned, unowned = {}, set(), {}
+  layers, owned, unowned, unthreaded = {}, set(), {}, []
   for path, layout in discovered.layouts.items():
     override = settings.override_for(path)
     layer_params = {key[-1]: leaf for key, leaf in flat_params.items()
@@ -390,7 +390,8 @@ def make(model: model_call.ModelCall, loss: losses.PredictiveLoss,
       unowned[path] = layout
       continue
     if path not in discovered.num_calls or path not in perturbations:
-      raise capture.not_threaded_error(path)  # one collection or both
+      unthreaded.append(path)  # one collection or both
+      continue
     stack, time = _lifted_axes(
         discovered.output_shapes[path], perturbations[path][0].shape,
         layer_params, discovered.param_shapes[path])
@@ -407,6 +408,8 @@ def make(model: model_call.ModelCall, loss: losses.PredictiveLoss,
     layers[tree_paths.key(path)] = (path, block)
     owned.update(path + (name,) for name in block.param_names)
   # "skip" leaves a module's params unpreconditioned, captured layer or not.
+  if unthreaded:
+    raise capture.not_threaded_error(unthreaded)
   fallback_paths = {tree_paths.key(k): k for k in flat_params
                     if k not in owned and settings.override_for(k[:-1]) != "skip"}
   fallback = blocks.DiagonalBlock(

@@ -232,19 +232,24 @@ def capture(
                   {m: (inputs[m], grads[m]) for m in inputs if m != CALL})
 
 
-def not_threaded_error(path: Path) -> ValueError:
-  """The error for a layer whose calls never reached K-FAC's collections."""
-  name = "/".join(path)
-  pattern = "/".join((*path[:-1], "*")) if len(path) > 1 else name
+def not_threaded_error(paths: list[Path]) -> ValueError:
+  """The error for the layers whose calls never reached K-FAC's collections
+  (all of them, so that one fix covers every transform)."""
+  names = [repr("/".join(path)) for path in paths]
+  patterns = {"/".join((*path[:-1], "*")) if len(path) > 1 else "/".join(path):
+              "diagonal" for path in paths}
+  shown = (f"the layer at {names[0]} runs" if len(names) == 1 else
+           f"the layers at {', '.join(names[:4])}"
+           f"{f' and {len(names) - 4} more' if len(names) > 4 else ''} run")
   return ValueError(
-      f"the layer at {name!r} runs inside a flax lifted transform (nn.scan, "
-      "nn.vmap, ...) that does not carry K-FAC's collections, so its inputs "
+      f"{shown} inside a flax lifted transform (nn.scan, "
+      "nn.vmap, ...) that does not carry K-FAC's collections, so their inputs "
       "and output gradients cannot be captured. "
-      f"Add {{{INPUTS!r}: 0, {PERTURBATIONS!r}: 0}} to that transform's "
+      f"Add {{{INPUTS!r}: 0, {PERTURBATIONS!r}: 0}} to the transform's "
       "variable_axes and keep its params as they are: for a stack of layers "
       f"nn.scan(..., variable_axes={{'params': 0, {INPUTS!r}: 0, "
       f"{PERTURBATIONS!r}: 0}}), for weights shared over a scan's steps "
       f"nn.scan(..., variable_broadcast='params', variable_axes={{{INPUTS!r}: 0, "
       f"{PERTURBATIONS!r}: 0}}) (nn.RNN(cell, variable_axes=...) likewise); or "
       f"give the layers under it the diagonal block, e.g. layer_overrides="
-      f"{{{pattern!r}: 'diagonal'}} (a pattern that matches every one of them).")
+      f"{patterns!r} (patterns that match every one of them).")
