@@ -806,6 +806,9 @@ def environment():
       os=platform.platform(), python=platform.python_version(),
       devices=[str(d) for d in jax.devices()], blas=blas,
       xla_flags=os.environ.get("XLA_FLAGS", ""),
+      # glibc's allocation policy changes CPU step times (RESULTS.md, "Memory
+      # allocation on CPU"): record any setting of it.
+      malloc={k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
       versions={name: version(name) for name in (
           "jax", "jaxlib", "flax", "optax", "numpy", "kfac-jax", "kfac_optax",
           "distributed-kron", "precondition-opt")})
