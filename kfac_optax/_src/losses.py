@@ -133,7 +133,7 @@ class PredictiveLoss:
 
   def nll(self, outputs: jax.Array, targets: jax.Array) -> jax.Array:
     """Per-term negative log-likelihood, shape ``outputs.shape[:-1]``."""
-    raise NotImplementedError
+    raise self._missing("nll", "every use")
 
   def nll_grad(self, outputs: Any, targets: Any) -> Any:
     """``∂ Σ_terms NLL / ∂f``: the output gradient whose outer products
@@ -143,7 +143,7 @@ class PredictiveLoss:
 
   def sample(self, rng: jax.Array, outputs: jax.Array) -> jax.Array:
     """One draw of targets from the model's predictive distribution."""
-    raise NotImplementedError
+    raise self._missing("sample", 'estimation="fisher" (the default)')
 
   def fisher_sqrt(self, outputs: jax.Array) -> jax.Array:
     """Columns ``B[k]`` (shape ``(C, *outputs.shape)``) with ``Σ_k B_k B_kᵀ = F_out``.
@@ -151,11 +151,20 @@ class PredictiveLoss:
     ``F_out`` is the Fisher of the distribution with respect to ``f``, one
     ``C x C`` matrix per term, ``C = outputs.shape[-1]``.
     """
-    raise NotImplementedError
+    raise self._missing("fisher_sqrt", 'estimation="exact" or "curvature_prop"')
 
   def fisher_product(self, outputs: jax.Array, u: jax.Array) -> jax.Array:
     """``F_out u`` per term, for ``u`` of shape ``(..., *outputs.shape)``."""
-    raise NotImplementedError
+    raise self._missing("fisher_product", "kfac's solved steps (learning_rate or "
+                        "momentum None), adaptive damping and exact_product")
+
+  def _missing(self, method: str, needed_by: str) -> NotImplementedError:
+    """The error for a method a subclass did not define."""
+    return NotImplementedError(
+        f"{type(self).__name__} does not define {method}, which {needed_by} "
+        "needs; a distribution of your own subclasses "
+        "kfac_optax.losses.PredictiveLoss and defines nll, sample, fisher_sqrt "
+        "and fisher_product (docs/models.md, \"Your own distribution\")")
 
   def value(self, outputs: jax.Array, batch: Batch) -> jax.Array:
     """The training loss: the mean NLL over the (unmasked) terms of the batch."""

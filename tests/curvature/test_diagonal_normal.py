@@ -59,11 +59,11 @@ def test_the_output_fisher_is_the_expected_hessian_and_score_outer_product():
   f = np.array([0.3, -1.0, 0.2, -0.5])
   with jax.enable_x64():
     nll = lambda f, y: LOSS.nll(f[None], y[None])[0]
-    hessian = expected_over_targets(
-        lambda y: np.asarray(jax.hessian(nll)(jnp.asarray(f), jnp.asarray(y))), f)
-    score = expected_over_targets(
-        lambda y: np.outer(*[np.asarray(jax.grad(nll)(jnp.asarray(f), jnp.asarray(y)))] * 2), f)
-  columns = np.asarray(LOSS.fisher_sqrt(jnp.asarray(f, jnp.float32)[None]), np.float64)[:, 0]
+    at = lambda fn, y: np.asarray(fn(nll)(jnp.asarray(f), jnp.asarray(y)))
+    hessian = expected_over_targets(lambda y: at(jax.hessian, y), f)
+    score = expected_over_targets(lambda y: np.outer(at(jax.grad, y), at(jax.grad, y)), f)
+  columns = np.asarray(LOSS.fisher_sqrt(jnp.asarray(f, jnp.float32)[None]),
+                       np.float64)[:, 0]
   fisher = columns.T @ columns
   np.testing.assert_allclose(hessian, score, atol=1e-8)
   np.testing.assert_allclose(fisher, hessian, rtol=1e-5, atol=1e-6)

@@ -162,8 +162,9 @@ def test_mistakes_are_named():
       outputs=lambda out: out[0])
   with pytest.raises(TypeError, match="reads a tuple of 2 arrays"):
     one_output.init(params)
-  per_token = losses.joint(losses.softmax_cross_entropy(targets=lambda b: b["action"]),
-                           losses.squared_error(targets=lambda b: b["return"][:, :1, None]))
+  per_token = losses.joint(
+      losses.softmax_cross_entropy(targets=lambda b: b["action"]),
+      losses.squared_error(targets=lambda b: b["return"][:, :1, None]))
   outputs = (jnp.zeros((N, CLASSES)), jnp.zeros((N, 1, 1)))
   with pytest.raises(ValueError, match="must have the same terms"):
     per_token.value(outputs, batch)

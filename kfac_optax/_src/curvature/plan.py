@@ -407,9 +407,9 @@ def make(model: model_call.ModelCall, loss: losses.PredictiveLoss,
         factor_block_size=settings.factor_block_size)
     layers[tree_paths.key(path)] = (path, block)
     owned.update(path + (name,) for name in block.param_names)
-  # "skip" leaves a module's params unpreconditioned, captured layer or not.
   if unthreaded:
     raise capture.not_threaded_error(unthreaded)
+  # "skip" leaves a module's params unpreconditioned, captured layer or not.
   fallback_paths = {tree_paths.key(k): k for k in flat_params
                     if k not in owned and settings.override_for(k[:-1]) != "skip"}
   fallback = blocks.DiagonalBlock(

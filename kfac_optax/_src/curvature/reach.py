@@ -29,8 +29,8 @@ from kfac_optax._src.models import capture
 
 # Calls whose inner jaxpr takes the call's operands in order.
 _TRANSPARENT_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "checkpoint": "jaxpr",
-                      "remat2": "jaxpr",
-                      "remat": "jaxpr", "closed_call": "call_jaxpr"}
+                      "remat": "jaxpr", "remat2": "jaxpr",
+                      "closed_call": "call_jaxpr"}
 
 
 def check(model: model_call.ModelCall, plan: plans.Plan, params: Any,
@@ -109,7 +109,6 @@ def _restricted(jaxpr: Any, wanted: list[bool]) -> Any:
   return jaxpr.replace(outvars=[v for v, w in zip(jaxpr.outvars, wanted) if w])
 
 
-
 def unreached_message(layers: list[str], leaves: list[str]) -> str:
   """init's error for layer blocks (keys) and fallback leaves (keys) that do
   not reach the loss's outputs."""
@@ -124,11 +123,12 @@ def unreached_message(layers: list[str], leaves: list[str]) -> str:
       "(`loss` on what `outputs=` picks from the model's return value) "
       "sends them no gradient, so their Fisher block is zero and K-FAC's "
       "damped inverse would scale your gradient there by a factor that the "
-      "damping sets, not any curvature (up to 1/damping).\nFix: leave them unpreconditioned, layer_overrides="
-      f"{skip!r}{more} (their gradient passes through, scaled by the step's "
-      "learning rate; params frozen by stop_gradient have none, so skipping "
-      "them changes nothing); or, if your loss has a term for a head K-FAC's loss "
-      "leaves out (an actor-critic's value), model both: loss=kfac_optax."
+      "damping sets, not any curvature (up to 1/damping).\nFix: leave them "
+      f"unpreconditioned, layer_overrides={skip!r}{more} (their gradient "
+      "passes through, scaled by the step's learning rate; params frozen by "
+      "stop_gradient have none, so skipping them changes nothing); or, if "
+      "your loss has a term for a head K-FAC's loss leaves out (an "
+      "actor-critic's value), model both: loss=kfac_optax."
       "losses.joint(policy_loss, value_loss, weights=(1.0, c)) with outputs= "
       "returning the tuple of the heads' outputs; or, if `outputs=` picks the "
       "wrong part of what the model returns, pick the array your loss reads.")
