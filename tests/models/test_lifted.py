@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import kfac_optax
+from kfac_optax._src.models import capture
 from tests import brute_force as bf
 
 LOSS = kfac_optax.losses.softmax_cross_entropy()
@@ -188,6 +189,14 @@ def test_every_unthreaded_transform_is_named_at_once():
       Bidirectional().apply, LOSS, example_batch=(x, jnp.arange(6) % 3),
       layer_overrides={"forward/lstm/*": "diagonal", "backward/lstm/*": "diagonal"},
   ).init(params)
+
+
+def test_a_pattern_covered_by_another_is_not_repeated():
+  """Flax's seq2seq decoder cell holds an LSTMCell of its own: "d/*" covers
+  "d/cell/*" (fnmatch's "*" spans "/")."""
+  error = capture.not_threaded_error(
+      [("cell", "ii"), ("d", "cell", "ii"), ("d", "dense")])
+  assert "layer_overrides={'cell/*': 'diagonal', 'd/*': 'diagonal'}" in str(error)
 
 
 class Member(nn.Module):

@@ -236,8 +236,12 @@ def not_threaded_error(paths: list[Path]) -> ValueError:
   """The error for the layers whose calls never reached K-FAC's collections
   (all of them, so that one fix covers every transform)."""
   names = [repr("/".join(path)) for path in paths]
-  patterns = {"/".join((*path[:-1], "*")) if len(path) > 1 else "/".join(path):
-              "diagonal" for path in paths}
+  found = dict.fromkeys("/".join((*path[:-1], "*")) if len(path) > 1
+                        else "/".join(path) for path in paths)
+  # fnmatch's "*" spans "/": "a/*" already covers "a/b/*".
+  patterns = {p: "diagonal" for p in found
+              if not any(q != p and q.endswith("*") and p.startswith(q[:-1])
+                         for q in found)}
   shown = (f"the layer at {names[0]} runs" if len(names) == 1 else
            f"the layers at {', '.join(names[:4])}"
            f"{f' and {len(names) - 4} more' if len(names) > 4 else ''} run")
