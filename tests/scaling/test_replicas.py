@@ -209,7 +209,7 @@ def test_inside_pmap_without_axis_name_is_an_error():
     step(replicate(params), replicate(tx.init(params)), replicate(variables), shares)
 
 
-@pytest.mark.parametrize("bad", [3, ["batch"], ("batch", 1)])
+@pytest.mark.parametrize("bad", [3, ["batch"], ("batch", 1), "", ("batch", "")])
 def test_axis_name_must_be_names(bad):
   with pytest.raises(ValueError, match="axis_name must be"):
     _kfac(NormNet(), "fixed", axis_name=bad)

@@ -29,8 +29,8 @@ def check_axis_name(axis_name: Any) -> None:
   """``axis_name`` is None, an axis name or a tuple of them, else a
   `ValueError`."""
   names = (axis_name,) if isinstance(axis_name, str) else axis_name
-  if axis_name is not None and not (
-      isinstance(names, tuple) and all(isinstance(n, str) for n in names)):
+  if axis_name is not None and not (  # "" names no axis: a typo, not ()
+      isinstance(names, tuple) and all(isinstance(n, str) and n for n in names)):
     raise ValueError(
         "axis_name must be None, the name of the pmap/shard_map axis that "
         "splits the batch (as given to lax.pmean for the gradients), or a "
