@@ -403,7 +403,10 @@ class Joint(PredictiveLoss):
       raise ValueError(
           f"joint: the heads' outputs have leading axes {shapes}, but every head "
           "must have the same terms (e.g. one per example: shapes (batch, "
-          "classes) and (batch, 1)); reshape a head's outputs to match")
+          "classes) and (batch, 1)). Heads with other terms, such as a "
+          "per-token and a per-sequence head, are not supported: give K-FAC "
+          "the head that carries most of your loss and leave the other head's "
+          "layers unpreconditioned, layer_overrides={'its/path': 'skip'}")
     return shapes[0]
 
   def batch_targets(self, outputs, batch):

@@ -166,5 +166,5 @@ def test_mistakes_are_named():
       losses.softmax_cross_entropy(targets=lambda b: b["action"]),
       losses.squared_error(targets=lambda b: b["return"][:, :1, None]))
   outputs = (jnp.zeros((N, CLASSES)), jnp.zeros((N, 1, 1)))
-  with pytest.raises(ValueError, match="must have the same terms"):
+  with pytest.raises(ValueError, match="must have the same terms.*per-sequence head, are not"):
     per_token.value(outputs, batch)
