@@ -129,7 +129,7 @@ class PredictiveLoss:
     if self.mask is None:
       return None
     mask = jnp.maximum(self.batch_mask(outputs, batch).astype(jnp.float32), 0)
-    return mask if mask.ndim == jnp.ndim(outputs) else mask[..., None]
+    return mask if self.PER_UNIT and mask.ndim == jnp.ndim(outputs) else mask[..., None]
 
   def nll(self, outputs: jax.Array, targets: jax.Array) -> jax.Array:
     """Per-term negative log-likelihood, shape ``outputs.shape[:-1]``."""
@@ -420,10 +420,8 @@ class Joint(PredictiveLoss):
     return mask
 
   def output_weights(self, outputs, batch):
-    if self.mask is None:
-      return None
-    mask = jnp.maximum(self.batch_mask(outputs, batch).astype(jnp.float32), 0)
-    return tuple(mask[..., None] for _ in self.heads)
+    weights = super().output_weights(outputs, batch)  # the terms', per unit
+    return None if weights is None else tuple(weights for _ in self.heads)
 
   def nll(self, outputs, targets):
     self.term_shape(outputs)  # the heads' terms must line up, not broadcast

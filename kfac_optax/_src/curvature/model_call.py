@@ -136,27 +136,28 @@ class ModelCall:
     if self.num_outputs > 1:
       return self._joint_outputs(found)
     if not _is_array(found):
-      source = ("outputs= returned" if self.outputs is not None
-                else "apply_fn returned")
       content, hint = _output_advice(found)
       raise TypeError(
-          f"{source} {type(found).__name__} ({content}), but the loss reads "
-          "one array of outputs.\nFix: pass outputs= to scale_by_kfac/kfac "
-          "(or Curvature), a function from apply_fn's return value to the array "
-          f"the loss reads, e.g. {hint}")
+          f"{self._output_source()} {type(found).__name__} ({content}), but "
+          "the loss reads one array of outputs.\nFix: pass outputs= to "
+          "scale_by_kfac/kfac (or Curvature), a function from apply_fn's "
+          f"return value to the array the loss reads, e.g. {hint}")
     return found
+
+  def _output_source(self) -> str:
+    """What returned the loss's outputs, for errors."""
+    return "outputs= returned" if self.outputs is not None else "apply_fn returned"
 
   def _joint_outputs(self, found: Any) -> tuple:
     """``found`` as the tuple of arrays a `losses.joint` reads."""
     if (not isinstance(found, (tuple, list)) or len(found) != self.num_outputs
         or not all(_is_array(f) for f in found)):
-      source = ("outputs= returned" if self.outputs is not None
-                else "apply_fn returned")
       raise TypeError(
-          f"{source} {type(found).__name__}, but the joint loss reads a tuple "
-          f"of {self.num_outputs} arrays, one per head in the order of its "
-          "heads.\nFix: pass outputs= to scale_by_kfac/kfac (or Curvature), "
-          "a function from apply_fn's return value to that tuple, e.g. "
+          f"{self._output_source()} {type(found).__name__}, but the joint "
+          f"loss reads a tuple of {self.num_outputs} arrays, one per head in "
+          "the order of its heads.\nFix: pass outputs= to scale_by_kfac/kfac "
+          "(or Curvature), a function from apply_fn's return value to that "
+          "tuple, e.g. "
           "outputs=lambda out: (out['logits'], out['value'])")
     return tuple(found)
 
