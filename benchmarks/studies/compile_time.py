@@ -7,17 +7,22 @@ workload it lowers and compiles the harness's training step
 (`harness.train_step`) with Adam (the workload's middle learning rate) and
 with the README recipe, alternately, ``--repeats`` times, and reports the
 median seconds of ``compile()`` (``lower()`` apart), the ratio to Adam's
-and the size of each program (lines of its StableHLO). Writes
-``benchmarks/results/compile_time.json`` (``_gpu`` on an accelerator) and
-prints a Markdown table.
+and the size of each program (lines of its StableHLO). With ``--parts``
+the recipe's step is also compiled with each of `Curvature.update`'s two
+scheduled branches (the statistics, the inverse refresh) replaced by
+"keep the state", and with both: what each branch adds to the compile.
+Writes ``benchmarks/results/compile_time.json`` (``_gpu`` on an
+accelerator) and prints a Markdown table.
 
 From the repository root::
 
   python benchmarks/studies/compile_time.py                  # ~5 min on 2 CPU cores
   python benchmarks/studies/compile_time.py --quick          # the quick sizes, writes nothing
+  python benchmarks/studies/compile_time.py --parts --repeats 2   # and each branch's share
 """
 
 import argparse
+import contextlib
 import datetime
 import importlib
 import os
@@ -32,8 +37,34 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))  # the repository root
 from benchmarks import harness  # pylint: disable=wrong-import-position
+from kfac_optax._src.curvature import curvature  # pylint: disable=wrong-import-position
 
 WORKLOADS = ("autoencoder", "transformer_lm", "convnet", "resnet")
+# `Curvature.update` schedules two branches, in this order.
+BRANCHES = ("statistics", "refresh")
+PARTS = {"without the refresh": {"refresh"}, "without the statistics": {"statistics"},
+         "without both": set(BRANCHES)}
+
+
+@contextlib.contextmanager
+def without(dropped):
+  """`curvature.on_schedule` keeping the state for the ``dropped`` branches
+  (names of `BRANCHES`) of every `Curvature.update` traced meanwhile."""
+  scheduled, calls = curvature.on_schedule, []
+
+  def on_schedule(period, warmup, count, step, carry):
+    calls.append(None)
+    if BRANCHES[(len(calls) - 1) % len(BRANCHES)] in dropped:
+      return carry
+    return scheduled(period, warmup, count, step, carry)
+  curvature.on_schedule = on_schedule
+  try:
+    yield
+  finally:
+    curvature.on_schedule = scheduled
+  if len(calls) % len(BRANCHES):
+    raise RuntimeError(f"{len(calls)} scheduled branches traced: not "
+                       f"{BRANCHES} per update; update this study")
 
 
 def compile_seconds(workload, tx, params, model_state, batch):
@@ -51,8 +82,9 @@ def compile_seconds(workload, tx, params, model_state, batch):
           lowered.as_text().count("\n"))
 
 
-def measure(name, quick, repeats):
-  """The medians of every optimizer's `compile_seconds` on workload ``name``."""
+def measure(name, quick, repeats, parts=False):
+  """The medians of every optimizer's `compile_seconds` on workload ``name``
+  (``parts``: and the recipe's without each branch, `PARTS`)."""
   module = importlib.import_module(f"benchmarks.{name}")
   workload = module.workload(quick=quick)
   params, model_state = harness.initial_variables(workload, seed=0)
@@ -64,11 +96,16 @@ def measure(name, quick, repeats):
       harness.RECIPE_NAME: lambda: harness.kfac_optax_tx(workload, batch,
                                                          **harness.RECIPE),
   }
-  runs = {label: [] for label in optimizers}
+  variants = {label: (make, set()) for label, make in optimizers.items()}
+  if parts:
+    variants.update({f"{harness.RECIPE_NAME} {part}": (optimizers[harness.RECIPE_NAME], dropped)
+                     for part, dropped in PARTS.items()})
+  runs = {label: [] for label in variants}
   for _ in range(repeats):
-    for label, make in optimizers.items():
-      runs[label].append(compile_seconds(workload, make(), params, model_state,
-                                         batch))
+    for label, (make, dropped) in variants.items():
+      with without(dropped):
+        runs[label].append(compile_seconds(workload, make(), params, model_state,
+                                           batch))
   rows = {label: dict(lower_s=statistics.median(r[0] for r in measured),
                       compile_s=statistics.median(r[1] for r in measured),
                       stablehlo_lines=measured[0][2])
@@ -96,9 +133,11 @@ def main(argv=None):
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--quick", action="store_true",
                       help="the workloads' quick sizes, one repeat, nothing written")
+  parser.add_argument("--parts", action="store_true", help="also the recipe "
+                      "without its statistics, its refresh and both")
   args = parser.parse_args(argv)
   repeats = 1 if args.quick else args.repeats
-  results = {name: measure(name, args.quick, repeats)
+  results = {name: measure(name, args.quick, repeats, args.parts)
              for name in args.workloads.split(",")}
   print(markdown(results), flush=True)
   if not args.quick:

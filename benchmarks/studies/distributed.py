@@ -26,6 +26,7 @@ From the repository root::
 """
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -105,7 +106,8 @@ def run(args, argv):
             for key, block in plan.all_blocks().items()}
   sizes = sorted(leaf.matrix.shape[-1] for leaf in jax.tree.leaves(
       damped, is_leaf=lambda v: isinstance(v, linalg.Damped))
-                 if isinstance(leaf, linalg.Damped))
+                 if isinstance(leaf, linalg.Damped)
+                 for _ in range(math.prod(leaf.matrix.shape[:-2])))
 
   def refresh(stacks):
     return jax.jit(lambda d: linalg.invert_all(d, args.inverse, stacks))

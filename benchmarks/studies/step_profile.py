@@ -62,6 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
 from benchmarks import autoencoder  # pylint: disable=wrong-import-position
 from benchmarks import convnet  # pylint: disable=wrong-import-position
 from benchmarks import harness  # pylint: disable=wrong-import-position
+from benchmarks import resnet  # pylint: disable=wrong-import-position
 from benchmarks import transformer_lm  # pylint: disable=wrong-import-position
 
 NAME = "step_profile"
@@ -73,19 +74,21 @@ PARTS = ("forward (shared with the capture)",
          "elementwise, pooling, iota/copies and other")
 
 
-def variants(workload, settings, inverse_period):
-  """The step variants of view 1, cheapest first."""
+def variants(workload, settings, inverse_period, model_state):
+  """The step variants of view 1, cheapest first; ``model_state``: the
+  initial `harness.Workload.mutable` collections (BatchNorm's statistics)."""
   example_batch = workload.batch(np.arange(workload.batch_size))
   step = harness.train_step(workload)
 
   def kfac(name, **overrides):
     tx = harness.kfac_optax_tx(workload, example_batch, **{**settings, **overrides})
-    return harness.optax_contender(name, "kfac_optax", tx, overrides, workload, step)
+    return harness.optax_contender(name, "kfac_optax", tx, overrides, workload, step,
+                                   model_state)
 
   sgd = optax.sgd(settings["learning_rate"], momentum=settings["momentum"])
   return [
       harness.optax_contender("gradient + SGD-momentum", "sgd", sgd, {},
-                              workload, step),
+                              workload, step, model_state),
       kfac("+ preconditioning", stats_update_period=harness.NEVER,
            inverse_update_period=harness.NEVER),
       kfac("+ statistics every step", inverse_update_period=harness.NEVER),
@@ -149,9 +152,9 @@ def hlo_lines(workload, contender, params, batches):
 
 
 def profile(workload, settings, inverse_period, steps, profile_steps):
-  params, _ = harness.initial_variables(workload, 0)
+  params, model_state = harness.initial_variables(workload, 0)
   batches = harness.Batches(workload, seed=0)
-  contenders = variants(workload, settings, inverse_period)
+  contenders = variants(workload, settings, inverse_period, model_state)
   with harness.single_threaded_lapack():
     harness.warm_up(contenders, params, batches, 2)
     record = harness.race(contenders, params, batches, steps)
@@ -227,7 +230,7 @@ def main(argv=None):
                       help="kfac_optax keywords over the defaults, e.g. "
                       "'factor_rank=32,curvature_batch_size=250' (prints only)")
   workloads = {"autoencoder": autoencoder, "convnet": convnet,
-               "transformer_lm": transformer_lm}
+               "transformer_lm": transformer_lm, "resnet": resnet}
   parser.add_argument("--workload", choices=list(workloads), help="only this one")
   parser.add_argument("--large", action="store_true", help="the workloads' "
                       "large (accelerator) sizes; results under step_profile_large")

@@ -16,7 +16,7 @@ from tests import brute_force as bf
 
 class Mlp(nn.Module):
   """Layers of three distinct shapes: factors of sizes 7, 11, 11 (inputs
-  with bias) and 10, 10, 6 (outputs), four size batches."""
+  with bias) and 10, 10, 6 (outputs), three size batches."""
 
   @nn.compact
   def __call__(self, x):
@@ -45,7 +45,9 @@ def test_one_compiled_inversion_per_size_batch():
   hlo = update.lower(state).compile().as_text()
   sizes = [7, 11, 11, 10, 10, 6]
   batches = set(stacked_inverses.bucket_sizes(sizes).values())
-  assert len(batches) == 4  # 11, 10, 7 and 6: none within 1.25x of another's work
+  # 11, 10 and 7: none within 1.25x of another's work, and 6 padded to 7
+  # for 7³ - 6³ = 127, within 5% of the refresh's 5221.
+  assert batches == {11, 10, 7}
   assert hlo.count('custom_call_target="lapack_spotrf_ffi"') == len(batches)
 
 

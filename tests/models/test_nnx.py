@@ -519,7 +519,8 @@ def test_describe_and_fallback_warning_name_nnx_paths():
   tx = kfac_optax.kfac(model, LOSS, example_batch=batch, learning_rate=0.1,
                        layer_overrides={"blocks/1/lin": "diagonal"})
   with pytest.warns(kfac_optax.FallbackWarning,
-                    match=r"get only K-FAC's diagonal fallback.*'blocks/\d/affine' \(168\)"):
+                    match=r"get only K-FAC's diagonal fallback.*'blocks/\d/affine' \(168\)"
+                    r".*nnx\.Param \(NNX\) kernels as layers: nn\.Dense or nnx\.Linear"):
     tx.init(params)
   kinds = {row.path: row.kind for row in kfac_optax.describe(tx, params).rows}
   assert kinds == {"blocks/0/affine": "fallback", "blocks/1/affine": "fallback",

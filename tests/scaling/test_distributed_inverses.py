@@ -19,11 +19,25 @@ LAPACK_TARGETS = {"eigh": "lapack_ssyevd", "cholesky": "lapack_spotrf"}
 
 def test_bucket_sizes_pad_only_when_cheap():
   # 97 -> 100 costs (100/97)³ ≈ 1.10 and 32 -> 33 ≈ 1.10: padded; 64 -> 100
-  # or 33 -> 64 would cost several times more: buckets of their own.
+  # or 33 -> 64 would cost several times more, beyond 5% of all the work
+  # (2.5e6): buckets of their own.
   assert stacked_inverses.bucket_sizes([32, 100, 64, 97, 33, 64]) == {
       100: 100, 97: 100, 64: 64, 33: 33, 32: 33}
-  assert stacked_inverses.bucket_sizes([32, 100, 97], max_padding=1.0) == {
+  assert stacked_inverses.bucket_sizes([32, 100, 97], max_padding=1.0, budget=0.0) == {
       100: 100, 97: 97, 32: 32}
+
+
+def test_bucket_sizes_pad_small_sizes_within_the_budget():
+  # Forty 100s are 4e7 of work, 5% of it 2e6: padding one 20 (1e6 - 8e3)
+  # and one 10 (1e6 - 1e3) to 100 fits, three 10s (3e6) do not.
+  assert stacked_inverses.bucket_sizes([100] * 40 + [20, 10]) == {
+      100: 100, 20: 100, 10: 100}
+  assert stacked_inverses.bucket_sizes([100] * 40 + [10] * 3) == {100: 100, 10: 10}
+  assert stacked_inverses.bucket_sizes([100] * 40 + [20, 10], budget=0.0) == {
+      100: 100, 20: 20, 10: 10}
+  # Only sizes up to SMALL_SIZE (128) use the budget: 200 -> 1000 would fit
+  # in 5% of 4e10 but keeps its own bucket.
+  assert stacked_inverses.bucket_sizes([1000] * 40 + [200]) == {1000: 1000, 200: 200}
 
 
 def _psd(key, shape):

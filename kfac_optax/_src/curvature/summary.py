@@ -260,7 +260,8 @@ def warn_if_mostly_fallback(summary: Summary) -> None:
       "are dense- or conv-like layers of your own, declare "
       "their module class with kfac_optax.register_layer to give them "
       "Kronecker blocks, and write raw matmuls or einsums of self.param "
-      "kernels as nn.Dense, nn.DenseGeneral or nn.Einsum layers. "
+      "(linen) or nnx.Param (NNX) kernels as layers: nn.Dense or nnx.Linear, "
+      "nn.DenseGeneral or nnx.LinearGeneral, nn.Einsum or nnx.Einsum. "
       "kfac_optax.describe(tx, params) lists every block. "
       "Layers meant to stay diagonal: layer_overrides={pattern: 'diagonal'} "
       "(not counted here).",

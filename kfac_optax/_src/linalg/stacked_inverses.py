@@ -7,6 +7,7 @@ one call, optionally with the stack split over the devices of a mesh
 (`distributed`).
 """
 
+import collections
 import math
 from typing import Any, Callable, Iterable
 
@@ -22,24 +23,51 @@ from kfac_optax._src.linalg import precision
 from kfac_optax._src.linalg import series
 
 
-def bucket_sizes(sizes: Iterable[int], max_padding: float = 1.25) -> dict[int, int]:
+# Extra inversion work (∝ d³, a share of the whole refresh's) that
+# `bucket_sizes` spends to put matrices of at most `SMALL_SIZE` rows into
+# larger stacks: each stack is one compiled inversion, residual check and
+# eigh fallback, 0.1-0.2 s of XLA:CPU's compile whatever its size. On the
+# ResNet benchmark's 43 factors (11 sizes from 9 to 1152) the stacks went
+# from 10 to 5, the refresh's compile from 3.2 to 2.2 s and its run time
+# from 81 to 83 ms; letting larger sizes use the budget too (the
+# autoencoder's 251 padded to 501) cost 6-8% of the refresh's time for 5%
+# of its FLOPs (benchmarks/RESULTS.md, "Compile time of the training step").
+PADDING_BUDGET = 0.05
+SMALL_SIZE = 128
+
+
+def bucket_sizes(sizes: Iterable[int], max_padding: float = 1.25,
+                 budget: float = PADDING_BUDGET) -> dict[int, int]:
   """Assigns each matrix size the (padded) size of the stack it is inverted in.
 
   Sizes are taken largest first; a size joins the smallest existing bucket
-  whose inversion costs at most ``max_padding`` times its own (cost ∝ d³),
-  else it opens a bucket of its own. Fewer, fuller stacks split more evenly
-  over devices; the padding bounds the extra work.
+  whose inversion costs at most ``max_padding`` times its own (cost ∝ d³);
+  failing that, a size of at most `SMALL_SIZE` joins the smallest bucket
+  into which padding all its matrices (``n (D³ - d³)``) fits in what is
+  left of ``budget`` times the work of the whole refresh (``Σ d³`` over all
+  matrices); else it opens a bucket of its own. Fewer, fuller stacks
+  compile fewer inversions and split more evenly over devices;
+  ``max_padding`` and ``budget`` bound the extra work.
 
   Args:
-    sizes: matrix sizes ``d``.
+    sizes: the size ``d`` of every matrix (repeated for each matrix of a
+      size).
     max_padding: the largest allowed ``(D / d)³`` for padding d up to D.
+    budget: the share of the refresh's work that padding small sizes
+      beyond ``max_padding`` may add, over all sizes.
 
   Returns:
     ``{d: D}`` for every distinct size.
   """
+  counts = collections.Counter(sizes)
+  spare = budget * sum(count * size**3 for size, count in counts.items())
   buckets, assigned = [], {}
-  for size in sorted(set(sizes), reverse=True):
+  for size in sorted(counts, reverse=True):
     fitting = [top for top in buckets if top**3 <= max_padding * size**3]
+    if not fitting and size <= SMALL_SIZE:
+      extra = {top: counts[size] * (top**3 - size**3) for top in buckets}
+      fitting = [top for top in buckets if extra[top] <= spare]
+      spare -= extra[min(fitting)] if fitting else 0
     if fitting:
       assigned[size] = min(fitting)
     else:
@@ -50,7 +78,7 @@ def bucket_sizes(sizes: Iterable[int], max_padding: float = 1.25) -> dict[int, i
 
 def invert_all(tree: Any, method: str,
                stack_sharding: distributed.StackSharding | None = None,
-               max_padding: float = 1.25, power: float = -1,
+               power: float = -1,
                previous: Any = None, rank: int | None = None) -> Any:
   """Replaces every `damped.Damped` leaf of ``tree`` by its damped inverse, batched.
 
@@ -70,7 +98,6 @@ def invert_all(tree: Any, method: str,
     method: see `damped.damped_inverse`.
     stack_sharding: ``None``, or how each stack is split over devices
       (`distributed.StackSharding`).
-    max_padding: see `bucket_sizes`.
     power: the exponent (see `damped.damped_power`).
     previous: None, or a tree with the structure of the result (the
       inverses in use): ``method="newton_schulz"`` starts each inverse from
@@ -100,7 +127,8 @@ def invert_all(tree: Any, method: str,
   requests = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, damped.Damped)
               and not _kept_at_rank(leaf, rank)}
   warm = method == "newton_schulz" and power == -1 and previous is not None
-  buckets = bucket_sizes(leaf.matrix.shape[-1] for leaf in requests.values())
+  buckets = bucket_sizes(leaf.matrix.shape[-1] for leaf in requests.values()
+                         for _ in range(math.prod(leaf.matrix.shape[:-2])))
   for bucket in sorted(set(buckets.values())):
     members = [i for i, leaf in requests.items()
                if buckets[leaf.matrix.shape[-1]] == bucket]
