@@ -254,11 +254,15 @@ def summarize_runs(trained, params_of, evaluate, data):
 
 
 def trailing_mean(values, window):
-  """Mean of the last ``window`` values at every position (fewer at the start)."""
-  cumulative = np.concatenate([[0.0], np.cumsum(np.asarray(values, np.float64))])
-  ends = np.arange(1, len(values) + 1)
-  starts = np.maximum(0, ends - window)
-  return (cumulative[ends] - cumulative[starts]) / (ends - starts)
+  """Mean of the last ``window`` values at every position (fewer at the start).
+
+  Each window summed on its own: differences of a running sum lose a
+  finite loss after a huge one (a run that blew up to 1e32 and then fell
+  to 1e17 read 0 and "reached" every target).
+  """
+  values = np.asarray(values, np.float64)
+  sums = np.convolve(values, np.ones(window))[:len(values)]
+  return sums / np.minimum(np.arange(1, len(values) + 1), window)
 
 
 def first_reach(smoothed, step_s, target):

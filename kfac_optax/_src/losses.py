@@ -73,6 +73,11 @@ class PredictiveLoss:
 
   # How many arrays of the model's outputs the loss reads (`joint`: several).
   num_outputs: ClassVar[int] = 1
+  # Every term's NLL is at least 0, so the loss is: the automatic mode then
+  # checks any step whose model predicts a larger decrease than the loss
+  # (`optimizer.kfac_step`). False where it can be negative (a learned
+  # variance) or is not known (your own distribution, unless you set it).
+  nonnegative: ClassVar[bool] = False
 
   def term_shape(self, outputs: Any) -> tuple:
     """The shape of the loss terms: the outputs' leading axes."""
@@ -199,6 +204,7 @@ class Categorical(PredictiveLoss):
   """
 
   NAME = "softmax_cross_entropy"
+  nonnegative = True
   TARGETS = "integer class labels (not one-hot) of shape outputs.shape[:-1]"
   INTEGER_TARGETS = True
 
@@ -236,6 +242,7 @@ class Bernoulli(PredictiveLoss):
   """
 
   NAME = "sigmoid_cross_entropy"
+  nonnegative = True
   PER_UNIT = True
 
   def nll(self, outputs, targets):
@@ -262,6 +269,7 @@ class Gaussian(PredictiveLoss):
   """
 
   NAME = "squared_error"
+  nonnegative = True
   PER_UNIT = True
 
   def nll(self, outputs, targets):
@@ -396,6 +404,10 @@ class Joint(PredictiveLoss):
   @property
   def num_outputs(self) -> int:
     return len(self.heads)
+
+  @property
+  def nonnegative(self) -> bool:
+    return all(head.nonnegative for head in self.heads)
 
   def term_shape(self, outputs):
     shapes = [head.term_shape(f) for head, f in zip(self.heads, outputs)]

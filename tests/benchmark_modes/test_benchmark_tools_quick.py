@@ -1,11 +1,14 @@
 """Quick modes of the benchmark tools that are not workloads: the recipe
 sweep, the sub-batch race, forward sharing, the step profile, the compile
-time and the statistics step (a file of their own, so that the suite's workers share the
-benchmarks' compile time)."""
+time, the statistics step and the automatic mode's trace (a file of their
+own, so that the suite's workers share the benchmarks' compile time)."""
+
+import math
 
 import pytest
 
 from benchmarks import harness
+from benchmarks.studies import automatic_trace
 from benchmarks.studies import compile_time
 from benchmarks.studies import curvature_batch
 from benchmarks.studies import forward_sharing
@@ -13,6 +16,7 @@ from benchmarks.studies import recipe_sweep
 from benchmarks.studies import statistics_step
 from benchmarks.studies import step_profile
 from kfac_optax._src.curvature import canonical_convolutions
+from kfac_optax._src.curvature import curvature
 
 
 def test_recipe_sweep_estimates_each_candidates_time_to_the_budget_target(
@@ -95,3 +99,19 @@ def test_compile_time_quick_mode_times_adam_and_the_recipe():
   recipe = rows[harness.RECIPE_NAME]
   assert recipe["compile_vs_adam"] == recipe["compile_s"] / rows["adam lr=0.001"]["compile_s"]
   assert recipe["stablehlo_lines"] > rows["adam lr=0.001"]["stablehlo_lines"] > 0
+
+
+def test_compile_time_parts_drop_each_scheduled_branch():
+  scheduled = curvature.on_schedule
+  (rows,) = compile_time.main(["--quick", "--parts", "--workloads", "autoencoder"]).values()
+  assert curvature.on_schedule is scheduled
+  lines = {label.removeprefix(harness.RECIPE_NAME).strip(): row["stablehlo_lines"]
+           for label, row in rows.items() if label.startswith(harness.RECIPE_NAME)}
+  assert lines[""] > lines["without the refresh"] > lines["without both"]
+  assert lines[""] > lines["without the statistics"] > lines["without both"]
+
+
+def test_automatic_trace_quick_mode_reads_the_controls_from_the_state():
+  rows = automatic_trace.main(["--quick"])
+  assert [row[0] for row in rows] == [0, 1, 2]
+  assert all(math.isfinite(loss) and damping > 0 for _, loss, _, damping in rows)

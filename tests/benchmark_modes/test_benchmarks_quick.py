@@ -208,6 +208,9 @@ def test_targets_use_the_smoothed_loss_and_summed_step_times():
   np.testing.assert_allclose(smoothed, [10.0, 9.0, 7.0, 5.0])
   assert harness.first_reach(smoothed, [1.0, 2.0, 3.0, 4.0], 7.0) == (3, 6.0)
   assert harness.first_reach(smoothed, [1.0] * 4, 1.0) == (None, None)
+  # A run that blew up stays far above any target, however long it lasts.
+  blown_up = harness.trailing_mean([1.0] * 5 + [2e32] * 600 + [1e17] * 20, window=10)
+  np.testing.assert_allclose(blown_up[[4, 9, -16, -1]], [1.0, 1e32, 1e32 + 5e16, 1e17])
 
 
 def test_kfac_jax_matched_settings_take_the_same_steps():

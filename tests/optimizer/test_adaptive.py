@@ -4,6 +4,9 @@ Norm constraint, quadratic-model learning rate and momentum, Levenberg-
 Marquardt damping, curvature products, burn-in, l2_reg and `stats`.
 """
 
+import dataclasses
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -14,6 +17,7 @@ from jax.flatten_util import ravel_pytree
 
 import kfac_optax
 from kfac_optax._src.optimizer import adaptive
+from kfac_optax._src.optimizer import kfac_step
 from tests import brute_force as bf
 
 LOSS = kfac_optax.losses.softmax_cross_entropy()
@@ -360,6 +364,69 @@ def test_a_non_finite_quadratic_model_takes_no_step():
   alpha, mu, change = adaptive.quadratic_coefficients(
       m, jnp.array([-1.0, 0.0]), None, None, jnp.bool_(True))
   assert (float(alpha), float(mu), float(change)) == (0.0, 0.0, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnboundedCategorical(type(LOSS)):
+  """The same loss, declared as one that may be negative."""
+  nonnegative = False
+
+
+def implausible_case(loss, l2_reg, change):
+  """`kfac_step` settings, a state whose last ρ was good and off the
+  measurement interval, and coefficients whose undamped model predicts
+  ``change`` for the step α = 1 (``q₀(α) = -bα + α²/2``)."""
+  settings = kfac_step.Settings(
+      kfac_optax.Curvature(bf.TinyMLP().apply, loss, BATCH, estimation="empirical"),
+      None, None, None, True, 1e-2, 1000, 0.95, 1e-8, math.inf, l2_reg, 0)
+  state = kfac_step.KFACState(None, None, jnp.array(3), jnp.float32(1e-2),
+                              *[jnp.float32(0.0)] * 2, jnp.float32(1.0),
+                              *[jnp.float32(0.0)] * 2)
+  outputs = bf.TinyMLP().apply({"params": PARAMS}, BATCH[0])
+  quadratic = kfac_step._Quadratic(  # pylint: disable=protected-access
+      jnp.eye(2), jnp.array([-(0.5 - change), 0.0]), outputs)
+  return settings, state, kfac_step._Coefficients(  # pylint: disable=protected-access
+      jnp.float32(1.0), jnp.float32(0.0), jnp.float32(change), quadratic)
+
+
+@pytest.mark.parametrize("l2_reg", [0.0, 0.1])
+def test_a_step_predicted_to_lower_a_nonnegative_loss_below_zero_is_measured(l2_reg):
+  """Off its interval, with a good last ρ, a step is measured when the model
+  predicts a decrease more than four times the loss (with its L2 term): no
+  loss of these can fall below 0, so its ρ is below ¼ whatever happens; it
+  is then rejected if the loss rose. A loss that may be negative is not
+  checked that way."""
+  loss_value = float(LOSS.value(bf.TinyMLP().apply({"params": PARAMS}, BATCH[0]), BATCH))
+  objective = loss_value + 0.5 * l2_reg * float(np.sum(flat64(PARAMS) ** 2))
+  implausible = kfac_step._implausible  # pylint: disable=protected-access
+  for change, expected in [(-4.04 * objective, True), (-3.96 * objective, False)]:
+    settings, _, coefficients = implausible_case(LOSS, l2_reg, change)
+    assert bool(implausible(settings, coefficients, PARAMS, BATCH)) == expected
+  settings, _, coefficients = implausible_case(UnboundedCategorical(), l2_reg,
+                                               -8 * objective)
+  assert not implausible(settings, coefficients, PARAMS, BATCH)
+
+  grads = grads_at(PARAMS, BATCH)
+  uphill = jax.tree.map(lambda g: 3.0 * g, grads)  # raises the loss
+  for loss, change, measured in [(LOSS, -8 * objective, True),
+                                 (LOSS, -2 * objective, False),
+                                 (UnboundedCategorical(), -8 * objective, False)]:
+    settings, state, coefficients = implausible_case(loss, l2_reg, change)
+    delta, rho, _ = kfac_step._adapt_damping(  # pylint: disable=protected-access
+        settings, state, coefficients, jnp.bool_(True), uphill, state.damping,
+        grads, PARAMS, BATCH, {}, None)
+    assert (float(rho) != 1.0) == measured
+    assert (not np.any(flat64(delta))) == measured  # ρ < 0: not taken
+
+
+def test_joint_losses_are_nonnegative_when_every_head_is():
+  losses = kfac_optax.losses
+  assert losses.softmax_cross_entropy().nonnegative
+  assert losses.sigmoid_cross_entropy().nonnegative and losses.squared_error().nonnegative
+  assert not losses.diagonal_normal().nonnegative
+  assert losses.joint(losses.softmax_cross_entropy(), losses.squared_error()).nonnegative
+  assert not losses.joint(losses.softmax_cross_entropy(),
+                          losses.diagonal_normal()).nonnegative
 
 
 # --------------------------------------------------------------------------

@@ -238,21 +238,48 @@ def _reduction_ratio(settings: Settings, coefficients: _Coefficients, delta: Any
                    _NAN).astype(dtype)  # float64 targets, x64
 
 
+def _implausible(settings: Settings, coefficients: _Coefficients, params: Any,
+                 batch: Any) -> jax.Array:
+  """Whether the undamped model predicts this step to lower the loss by more
+  than four times its value (with the L2 term, ``η/2 ‖θ‖²``), where no loss
+  can be below 0 (`losses.PredictiveLoss.nonnegative`): whatever the loss
+  does, such a step's ρ is below ¼, a poor step by the Levenberg-Marquardt
+  rule's own bound, so measuring it raises λ (and rejects the step if the
+  loss rose).
+
+  Between the scheduled measurements of ρ nothing else checks a step, and
+  with λ at its floor the model's steps can grow without bound: on the
+  convnet benchmark the automatic mode's loss went from 3.7 to 6890, 6.7e5
+  and 2e32 in the three steps before the next measurement, their predicted
+  decreases 141, 1.7e6 and 9e15 (benchmarks/STABILITY.md).
+  """
+  curvature = settings.curvature
+  if coefficients.quadratic is None or not curvature.loss.nonnegative:
+    return jnp.asarray(False)
+  quadratic = coefficients.quadratic
+  objective = (curvature.over_replicas(curvature.loss.value(quadratic.outputs, batch))
+               + 0.5 * settings.l2_reg * adaptive.tree_dot(params, params))
+  return quadratic.change(coefficients.alpha, coefficients.mu) < -4.0 * objective
+
+
 def _adapt_damping(settings: Settings, state: KFACState, coefficients: _Coefficients,
                    moving: jax.Array, delta: Any, damping: jax.Array, grads: Any,
                    params: Any, batch: Any, variables: dict,
                    rng: jax.Array | None) -> tuple[Any, jax.Array, jax.Array]:
   """``(δ, ρ, λ)`` after the Levenberg-Marquardt rule, on its schedule.
 
-  ρ is measured every ``damping_adaptation_interval`` steps, and every step
+  ρ is measured every ``damping_adaptation_interval`` steps, every step
   after a poor step (ρ < ¼ or non-finite) until a good one, so λ reacts
-  within a few steps. A measured step that raised the loss, made it
+  within a few steps, and at any step whose model predicts a decrease
+  more than four times the loss where the loss cannot go below 0
+  (`_implausible`). A measured step that raised the loss, made it
   non-finite or was not predicted to lower it is not taken: δ is zero, so
   the momentum restarts from zero.
   """
   due = moving & (
       ((state.count - settings.num_burnin_steps)
-       % settings.damping_adaptation_interval == 0) | ~(state.rho >= 0.25))
+       % settings.damping_adaptation_interval == 0) | ~(state.rho >= 0.25)
+      | _implausible(settings, coefficients, params, batch))
   rho = jax.lax.cond(
       due, lambda _: _reduction_ratio(settings, coefficients, delta, grads,
                                       params, batch, variables, rng,
