@@ -384,7 +384,7 @@ def implausible_case(loss, l2_reg, change):
                               *[jnp.float32(0.0)] * 2)
   outputs = bf.TinyMLP().apply({"params": PARAMS}, BATCH[0])
   quadratic = kfac_step._Quadratic(  # pylint: disable=protected-access
-      jnp.eye(2), jnp.array([-(0.5 - change), 0.0]), outputs)
+      jnp.eye(2), jnp.array([-(0.5 - change), 0.0]), loss.value(outputs, BATCH))
   return settings, state, kfac_step._Coefficients(  # pylint: disable=protected-access
       jnp.float32(1.0), jnp.float32(0.0), jnp.float32(change), quadratic)
 
@@ -401,10 +401,10 @@ def test_a_step_predicted_to_lower_a_nonnegative_loss_below_zero_is_measured(l2_
   implausible = kfac_step._implausible  # pylint: disable=protected-access
   for change, expected in [(-4.04 * objective, True), (-3.96 * objective, False)]:
     settings, _, coefficients = implausible_case(LOSS, l2_reg, change)
-    assert bool(implausible(settings, coefficients, PARAMS, BATCH)) == expected
+    assert bool(implausible(settings, coefficients, PARAMS)) == expected
   settings, _, coefficients = implausible_case(UnboundedCategorical(), l2_reg,
                                                -8 * objective)
-  assert not implausible(settings, coefficients, PARAMS, BATCH)
+  assert not implausible(settings, coefficients, PARAMS)
 
   grads = grads_at(PARAMS, BATCH)
   uphill = jax.tree.map(lambda g: 3.0 * g, grads)  # raises the loss

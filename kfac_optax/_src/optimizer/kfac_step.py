@@ -91,11 +91,12 @@ class Settings:
 
 class _Quadratic(NamedTuple):
   """The undamped quadratic model along ``(v, δ_prev)``: ``q₀(α, μ) =
-  linear · c + ½ cᵀ curvature c`` with ``c = (α, μ)``, and the model's
-  outputs at the params (for ρ's loss before the step)."""
+  linear · c + ½ cᵀ curvature c`` with ``c = (α, μ)``, and the loss at the
+  params (over the replicas), read from the model pass's outputs: ρ's loss
+  before the step and `_implausible`'s bound, computed once."""
   curvature: jax.Array
   linear: jax.Array
-  outputs: Any
+  loss: jax.Array
 
   def change(self, alpha: jax.Array, mu: jax.Array) -> jax.Array:
     c = jnp.stack([alpha, mu])
@@ -178,8 +179,9 @@ def _solved_coefficients(settings: Settings, v: Any, grads: Any, previous: Any,
   linear = jnp.stack([vg, adaptive.tree_dot(grads, previous)])
   alpha, mu_now, qmodel_change = adaptive.quadratic_coefficients(
       undamped + damping * gram, linear, lr, mu, gram[1, 1] > 0)
+  loss = curvature.over_replicas(curvature.loss.value(outputs, batch))
   return _Coefficients(alpha, mu_now, qmodel_change,
-                       _Quadratic(undamped, linear, outputs))
+                       _Quadratic(undamped, linear, loss))
 
 
 def _fixed_coefficients(settings: Settings, lr: Any, mu: Any, vg: jax.Array,
@@ -204,17 +206,19 @@ def _burned_in(moving: jax.Array, v: Any, previous: Any,
 def _undamped_change(settings: Settings, coefficients: _Coefficients, delta: Any,
                      grads: Any, params: Any, batch: Any, variables: dict,
                      rng: jax.Array | None) -> tuple[jax.Array, Any]:
-  """``q₀(δ)`` (the model without λ) and the outputs at ``params``."""
+  """``q₀(δ)`` (the model without λ) and the loss at ``params`` (over the
+  replicas)."""
   if coefficients.quadratic is not None:  # the model along v and δ_prev is known
     quadratic = coefficients.quadratic
-    return quadratic.change(coefficients.alpha, coefficients.mu), quadratic.outputs
+    return quadratic.change(coefficients.alpha, coefficients.mu), quadratic.loss
   curvature, l2_reg = settings.curvature, settings.l2_reg
   outputs, tangent = jax.jvp(
       lambda p: curvature.forward(p, batch, variables, rng), (params,), (delta,))
   fisher_tangent = curvature.output_fisher(outputs, batch, tangent)
   fisher_term = curvature.over_replicas(adaptive.tree_dot(tangent, fisher_tangent))
   return (adaptive.tree_dot(grads, delta)
-          + 0.5 * (fisher_term + l2_reg * adaptive.tree_dot(delta, delta))), outputs
+          + 0.5 * (fisher_term + l2_reg * adaptive.tree_dot(delta, delta))), (
+              curvature.over_replicas(curvature.loss.value(outputs, batch)))
 
 
 def _reduction_ratio(settings: Settings, coefficients: _Coefficients, delta: Any,
@@ -222,11 +226,10 @@ def _reduction_ratio(settings: Settings, coefficients: _Coefficients, delta: Any
                      rng: jax.Array | None, dtype: Any) -> jax.Array:
   """ρ: the loss's measured change over the undamped model's prediction."""
   curvature, l2_reg = settings.curvature, settings.l2_reg
-  change, outputs = _undamped_change(settings, coefficients, delta, grads,
-                                     params, batch, variables, rng)
-  moved, before = curvature.over_replicas((
-      curvature.loss_value(optax.apply_updates(params, delta), batch, variables, rng),
-      curvature.loss.value(outputs, batch)))
+  change, before = _undamped_change(settings, coefficients, delta, grads,
+                                    params, batch, variables, rng)
+  moved = curvature.over_replicas(curvature.loss_value(
+      optax.apply_updates(params, delta), batch, variables, rng))
   # The user's loss holds the L2 term the model's l2_reg stands for:
   # η/2 (‖θ+δ‖² - ‖θ‖²) of the change is its.
   actual = (moved - before + l2_reg * (
@@ -238,8 +241,8 @@ def _reduction_ratio(settings: Settings, coefficients: _Coefficients, delta: Any
                    _NAN).astype(dtype)  # float64 targets, x64
 
 
-def _implausible(settings: Settings, coefficients: _Coefficients, params: Any,
-                 batch: Any) -> jax.Array:
+def _implausible(settings: Settings, coefficients: _Coefficients,
+                 params: Any) -> jax.Array:
   """Whether the undamped model predicts this step to lower the loss by more
   than four times its value (with the L2 term, ``η/2 ‖θ‖²``), where no loss
   can be below 0 (`losses.PredictiveLoss.nonnegative`): whatever the loss
@@ -257,8 +260,7 @@ def _implausible(settings: Settings, coefficients: _Coefficients, params: Any,
   if coefficients.quadratic is None or not curvature.loss.nonnegative:
     return jnp.asarray(False)
   quadratic = coefficients.quadratic
-  objective = (curvature.over_replicas(curvature.loss.value(quadratic.outputs, batch))
-               + 0.5 * settings.l2_reg * adaptive.tree_dot(params, params))
+  objective = quadratic.loss + 0.5 * settings.l2_reg * adaptive.tree_dot(params, params)
   return quadratic.change(coefficients.alpha, coefficients.mu) < -4.0 * objective
 
 
@@ -279,7 +281,7 @@ def _adapt_damping(settings: Settings, state: KFACState, coefficients: _Coeffici
   due = moving & (
       ((state.count - settings.num_burnin_steps)
        % settings.damping_adaptation_interval == 0) | ~(state.rho >= 0.25)
-      | _implausible(settings, coefficients, params, batch))
+      | _implausible(settings, coefficients, params))
   rho = jax.lax.cond(
       due, lambda _: _reduction_ratio(settings, coefficients, delta, grads,
                                       params, batch, variables, rng,
