@@ -11,7 +11,7 @@ predicted change. Prints only (a diagnosis, not a race).
 From the repository root::
 
   python benchmarks/studies/automatic_trace.py --workload convnet --steps 1000
-  python benchmarks/studies/automatic_trace.py --workload convnet --settings "min_damping=1e-5"
+  python benchmarks/studies/automatic_trace.py --workload convnet --settings "momentum=None"
   python benchmarks/studies/automatic_trace.py --quick      # smoke test
 """
 
@@ -75,7 +75,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if args.quick:
     args.steps, args.every = 3, 1
-  return trace(args.workload, {"learning_rate": None, "momentum": None, **args.settings},
+  return trace(args.workload, {"learning_rate": None, **args.settings},
                args.steps, args.every, args.above, args.quick)
 
 

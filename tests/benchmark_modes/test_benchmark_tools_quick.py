@@ -1,6 +1,6 @@
 """Quick modes of the benchmark tools that are not workloads: the recipe
 sweep, the sub-batch race, forward sharing, the step profile, the compile
-time, the statistics step and the automatic mode's trace (a file of their
+time, the statistics step, the automatic mode's trace and cost (a file of their
 own, so that the suite's workers share the benchmarks' compile time)."""
 
 import math
@@ -8,6 +8,7 @@ import math
 import pytest
 
 from benchmarks import harness
+from benchmarks.studies import automatic_cost
 from benchmarks.studies import automatic_trace
 from benchmarks.studies import compile_time
 from benchmarks.studies import curvature_batch
@@ -115,3 +116,9 @@ def test_automatic_trace_quick_mode_reads_the_controls_from_the_state():
   rows = automatic_trace.main(["--quick"])
   assert [row[0] for row in rows] == [0, 1, 2]
   assert all(math.isfinite(loss) and damping > 0 for _, loss, _, damping in rows)
+
+
+def test_automatic_cost_quick_mode_times_each_contender():
+  (medians,) = automatic_cost.main(["--quick"]).values()
+  assert list(medians) == list(automatic_cost.CONTENDERS)
+  assert all(math.isfinite(m) and m > 0 for m in medians.values())

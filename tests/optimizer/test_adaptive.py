@@ -215,6 +215,24 @@ def test_fixed_momentum_with_qmodel_learning_rate():
 
 
 # --------------------------------------------------------------------------
+
+
+def test_zero_momentum_solves_the_learning_rate_along_v_alone():
+  """momentum=0 builds the model along v only (no δ_prev tangent): after a
+  first step, α is the 1x1 optimum and the update has no δ_prev part."""
+  l2 = 1e-3
+  tx = kfac_optax.kfac(bf.TinyMLP().apply, LOSS, learning_rate=None, momentum=0.0,
+                       adaptive_damping=False, l2_reg=l2, **SETTINGS)
+  updates, states = run(tx, BATCHES[:2])
+  assert np.any(flat64(updates[0]) != 0)  # a δ_prev the model could have used
+  fisher, _ = explicit_fisher(PARAMS, BATCHES[1])
+  g = flat64(grads_at(PARAMS, BATCHES[1]))
+  v = flat64(curvature().precondition(states[1].curvature, grads_at(PARAMS, BATCHES[1])))
+  alpha = -(g @ v) / (v @ (fisher + (DAMPING + l2) * np.eye(len(g))) @ v)
+  stats = kfac_optax.stats(states[1])
+  assert bf.relative_error(updates[1], alpha * v) < 1e-3
+  assert float(stats["momentum"]) == 0
+  assert float(stats["qmodel_change"]) == pytest.approx(0.5 * alpha * (g @ v), rel=1e-3)
 # Levenberg-Marquardt damping.
 
 

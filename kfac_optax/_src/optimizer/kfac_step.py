@@ -160,15 +160,23 @@ def _solved_coefficients(settings: Settings, v: Any, grads: Any, previous: Any,
                          rng: jax.Array | None, damping: jax.Array,
                          lr: Any, mu: Any, vg: jax.Array) -> _Coefficients:
   """α and μ that minimise the damped quadratic model along ``v`` and
-  ``δ_prev`` (the free ones: a given lr or μ stays), from exact
-  Fisher-vector products on the batch (`adaptive.quadratic_coefficients`)."""
+  ``δ_prev`` (the free ones: a given lr or μ stays; μ given as 0, along
+  ``v`` alone), from exact Fisher-vector products on the batch
+  (`adaptive.quadratic_coefficients`)."""
   curvature, l2_reg = settings.curvature, settings.l2_reg
-  directions = (v, previous)
+  # With momentum given as 0 (the automatic mode's default) the step has no
+  # δ_prev part: its tangent, about 40% of the quadratic pass's work, is left
+  # out, and the model is padded to (v, δ_prev) with zeros (μ = 0 for it).
+  momentum_free = (isinstance(settings.momentum, (int, float))
+                   and settings.momentum == 0)
+  directions = (v,) if momentum_free else (v, previous)
+  size = len(directions)
   outputs, tangents = curvature.output_tangents(
-      params, batch, jax.tree.map(lambda a, b: jnp.stack([a, b.astype(a.dtype)]),
-                                  *directions), variables, rng)
+      params, batch, jax.tree.map(
+          lambda first, *rest: jnp.stack([first, *(r.astype(first.dtype) for r in rest)]),
+          *directions), variables, rng)
   fisher = curvature.output_fisher(outputs, batch, tangents)
-  flat = lambda x: x.reshape(2, -1).astype(jnp.float32)
+  flat = lambda x: x.reshape(size, -1).astype(jnp.float32)
   gram = jnp.array([[adaptive.tree_dot(a, b) for b in directions]
                     for a in directions])
   # Without λ: the model whose change ρ compares with the loss's.
@@ -176,7 +184,9 @@ def _solved_coefficients(settings: Settings, v: Any, grads: Any, previous: Any,
       flat(t) @ flat(f).T for t, f in zip(jax.tree.leaves(tangents),
                                           jax.tree.leaves(fisher))))
               + l2_reg * gram)
-  linear = jnp.stack([vg, adaptive.tree_dot(grads, previous)])
+  linear = jnp.stack([vg] + [adaptive.tree_dot(grads, d) for d in directions[1:]])
+  padded = lambda x: jnp.pad(x, [(0, 2 - size)] * x.ndim)
+  undamped, gram, linear = padded(undamped), padded(gram), padded(linear)
   alpha, mu_now, qmodel_change = adaptive.quadratic_coefficients(
       undamped + damping * gram, linear, lr, mu, gram[1, 1] > 0)
   loss = curvature.over_replicas(curvature.loss.value(outputs, batch))
