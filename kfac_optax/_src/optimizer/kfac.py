@@ -33,8 +33,9 @@ FIXED_MOMENTUM = 0.9
 FIXED_NORM_CONSTRAINT = 1e-3
 # Without a learning rate, "auto" means no momentum: the quadratic model sizes
 # the step along F̂⁻¹g alone. Solving μ as well (momentum=None) costs one more
-# tangent a step, saved steps only on the deep autoencoder, and on small
-# batches its steps drifted (benchmarks/STABILITY.md, "Beyond 300 steps").
+# tangent a step and saves steps on some models (the deep autoencoder, Flax's
+# Gemma example), not others, but on small batches its steps drifted
+# (benchmarks/STABILITY.md, "Beyond 300 steps").
 AUTOMATIC_MOMENTUM = 0.0
 
 
