@@ -214,9 +214,6 @@ def test_fixed_momentum_with_qmodel_learning_rate():
   assert bf.relative_error(updates[1], alpha * v + 0.5 * previous) < 1e-3
 
 
-# --------------------------------------------------------------------------
-
-
 def test_zero_momentum_solves_the_learning_rate_along_v_alone():
   """momentum=0 builds the model along v only (no δ_prev tangent): after a
   first step, α is the 1x1 optimum and the update has no δ_prev part."""
@@ -233,6 +230,13 @@ def test_zero_momentum_solves_the_learning_rate_along_v_alone():
   assert bf.relative_error(updates[1], alpha * v) < 1e-3
   assert float(stats["momentum"]) == 0
   assert float(stats["qmodel_change"]) == pytest.approx(0.5 * alpha * (g @ v), rel=1e-3)
+  # It is the automatic mode's default.
+  default, _ = run(kfac_optax.kfac(bf.TinyMLP().apply, LOSS, adaptive_damping=False,
+                                   l2_reg=l2, **SETTINGS), BATCHES[:2])
+  assert bf.relative_error(default[1], jax.tree.map(np.asarray, updates[1])) < 1e-6
+
+
+# --------------------------------------------------------------------------
 # Levenberg-Marquardt damping.
 
 
