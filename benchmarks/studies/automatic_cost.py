@@ -3,10 +3,10 @@
 Issue 40 asks for the automatic mode's mean step within 1.3 times the
 recipe's. For each workload this study trains the fixed mode (the README
 recipe's learning rate and damping), the automatic mode (`kfac`'s
-defaults: α solved, μ = 0) and the automatic mode with μ solved
-(``momentum=None``), all at the same statistics and inverse periods
-(default: the recipe's, 10 and 50), from the same params on the same
-batches. After a warm-up it times ``--rounds`` rounds in turn, each one
+defaults: α and μ solved, two tangents) and the automatic mode with
+``momentum=0`` (α alone, one tangent), all at the same statistics and
+inverse periods (default: the recipe's, 10 and 50), from the same params
+on the same batches. After a warm-up it times ``--rounds`` rounds in turn, each one
 refresh period of steps per contender, so every round holds the same
 number of statistics steps and refreshes, and reports each contender's
 median ms per step and its ratio to the fixed mode's. Prints a Markdown
@@ -37,7 +37,7 @@ FIXED = dict(learning_rate=harness.RECIPE["learning_rate"],
              damping=harness.RECIPE["damping"])
 CONTENDERS = {"fixed": FIXED,
               "automatic": dict(learning_rate=None),
-              "automatic, μ solved": dict(learning_rate=None, momentum=None)}
+              "automatic, μ = 0": dict(learning_rate=None, momentum=0.0)}
 WARMUP_STEPS = 12  # past the first refresh and each program's compile
 
 

@@ -11,7 +11,7 @@ predicted change. Prints only (a diagnosis, not a race).
 From the repository root::
 
   python benchmarks/studies/automatic_trace.py --workload convnet --steps 1000
-  python benchmarks/studies/automatic_trace.py --workload convnet --settings "momentum=None"
+  python benchmarks/studies/automatic_trace.py --workload convnet --settings "momentum=0.0"
   python benchmarks/studies/automatic_trace.py --quick      # smoke test
 """
 

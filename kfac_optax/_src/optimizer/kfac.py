@@ -31,12 +31,6 @@ _OPTIONS = options.DEFAULTS
 # of 1e-3, which kept every suite model finite at learning rates 0.03 and 0.1.
 FIXED_MOMENTUM = 0.9
 FIXED_NORM_CONSTRAINT = 1e-3
-# Without a learning rate, "auto" means no momentum: the quadratic model sizes
-# the step along F̂⁻¹g alone. Solving μ as well (momentum=None) costs one more
-# tangent a step and saves steps on some models (the deep autoencoder, Flax's
-# Gemma example), not others, but on small batches its steps drifted
-# (benchmarks/STABILITY.md, "Beyond 300 steps").
-AUTOMATIC_MOMENTUM = 0.0
 
 
 def _resolved_modes(learning_rate: Any, momentum: Any, norm_constraint: Any,
@@ -48,7 +42,7 @@ def _resolved_modes(learning_rate: Any, momentum: Any, norm_constraint: Any,
       raise ValueError(f'{name} must be a number, None or "auto", got {value!r}')
   fixed = learning_rate is not None
   if momentum == "auto":
-    momentum = FIXED_MOMENTUM if fixed else AUTOMATIC_MOMENTUM
+    momentum = FIXED_MOMENTUM if fixed else None
   if norm_constraint == "auto":
     norm_constraint = FIXED_NORM_CONSTRAINT if fixed else None
   if adaptive_damping is None:
@@ -126,16 +120,15 @@ def kfac(
   preconditioned gradient (`scale_by_kfac`, damped with ``λ + l2_reg``).
   Two ways to use it:
 
-  - **Automatic** (the default: no ``learning_rate``): α minimises the
+  - **Automatic** (the default: no ``learning_rate``): α and μ minimise the
     damped quadratic model ``q(δ) = gᵀδ + ½ δᵀ(F + (λ + l2_reg) I)δ`` along
-    ``v``, with exact Fisher(=GGN)-vector products on the batch (a
-    forward-mode pass), and λ adapts; ``momentum="auto"`` means μ = 0 here.
-    ``momentum=None`` solves μ too, along ``v`` and ``δ_prev`` (two
-    tangents; the "qmodel" momentum of the TF K-FAC optimizer).
-    Safeguards (`adaptive.quadratic_coefficients`): a solved μ is the
-    model's best in [0, 1]; nearly parallel ``v`` and ``δ_prev`` fall back
-    to α alone; a step the model does not predict to lower the loss is not
-    taken.
+    ``v`` and ``δ_prev``, with exact Fisher(=GGN)-vector products on the
+    batch (two forward-mode passes; the "qmodel" momentum of the TF K-FAC
+    optimizer), and λ adapts. Safeguards (`adaptive.quadratic_coefficients`):
+    μ is the model's best in [0, 1]; nearly parallel ``v`` and ``δ_prev``
+    fall back to α alone; a step the model does not predict to lower the
+    loss is not taken. ``momentum=0`` solves α alone, along ``v``: one
+    tangent, not two (docs/settings.md, when it pays).
   - **Fixed** ``learning_rate`` (a float or a schedule): ``α = -lr``, and
     ``momentum="auto"`` means μ = 0.9; with ``norm_constraint=c`` (``"auto"``:
     1e-3), α is scaled down so that ``α² vᵀ F̂ v = α² vᵀ g ≤ c`` (Ba et al.
@@ -172,7 +165,7 @@ def kfac(
       a warmup from 0 takes no step at first), or None (the automatic
       mode: chosen by the quadratic model).
     momentum: a float, a schedule, None (chosen by the quadratic model), or
-      ``"auto"``: 0 without a learning rate (α alone is solved), else 0.9.
+      ``"auto"``: None without a learning rate, else 0.9.
     damping: the Tikhonov λ (see `scale_by_kfac`); with
       ``adaptive_damping``, the initial λ.
     {curvature_options}

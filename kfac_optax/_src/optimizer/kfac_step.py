@@ -164,9 +164,9 @@ def _solved_coefficients(settings: Settings, v: Any, grads: Any, previous: Any,
   ``v`` alone), from exact Fisher-vector products on the batch
   (`adaptive.quadratic_coefficients`)."""
   curvature, l2_reg = settings.curvature, settings.l2_reg
-  # With momentum given as 0 (the automatic mode's default) the step has no
-  # δ_prev part: its tangent, about 40% of the quadratic pass's work, is left
-  # out, and the model is padded to (v, δ_prev) with zeros (μ = 0 for it).
+  # With momentum given as 0 the step has no δ_prev part: its tangent, about
+  # 40% of the quadratic pass's work, is left out, and the model is padded to
+  # (v, δ_prev) with zeros (μ = 0 for it).
   momentum_free = (isinstance(settings.momentum, (int, float))
                    and settings.momentum == 0)
   directions = (v,) if momentum_free else (v, previous)
