@@ -177,9 +177,10 @@ def markdown(payload) -> str:
       + f"; {budget.get('source', 'the best Adam')} reached {budget['label']} in "
       f"{budget['source_seconds']:.1f} s. Estimated time ratio = steps to "
       f"{budget['label']} × the candidate's mean step here / that peer's seconds "
-      f"(target <= {payload['limit']:g}). Every candidate: momentum 0.9, "
-      "statistics every 10 steps and inverses every 50 unless its name says "
-      "otherwise, other settings at `kfac`'s defaults.", "",
+      f"(target <= {payload['limit']:g}). Every candidate: statistics every "
+      "10 steps and inverses every 50 unless its name says otherwise, other "
+      "settings at `kfac`'s defaults (with a learning rate, momentum 0.9; "
+      "without, the automatic mode's).", "",
       "| candidate | mean ms/step | final loss | "
       + " | ".join(f"steps to {t['label']}" for t in targets)
       + " | estimated time / peer's |",
