@@ -44,6 +44,8 @@ MODES = {
                                    adaptive_damping=True),
     # α, μ from the 2×2 quadratic model; ρ from it and the losses
     "automatic": dict(learning_rate=None, momentum=None),
+    # α alone from the 1×1 model along v (one tangent)
+    "automatic-no-momentum": dict(learning_rate=None, momentum=0.0),
 }
 
 
