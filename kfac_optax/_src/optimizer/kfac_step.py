@@ -215,7 +215,7 @@ def _burned_in(moving: jax.Array, v: Any, previous: Any,
 
 def _undamped_change(settings: Settings, coefficients: _Coefficients, delta: Any,
                      grads: Any, params: Any, batch: Any, variables: dict,
-                     rng: jax.Array | None) -> tuple[jax.Array, Any]:
+                     rng: jax.Array | None) -> tuple[jax.Array, jax.Array]:
   """``q₀(δ)`` (the model without λ) and the loss at ``params`` (over the
   replicas)."""
   if coefficients.quadratic is not None:  # the model along v and δ_prev is known
