@@ -6,11 +6,11 @@ recipe's learning rate and damping), the automatic mode (`kfac`'s
 defaults: α and μ solved, two tangents) and the automatic mode with
 ``momentum=0`` (α alone, one tangent), all at the same statistics and
 inverse periods (default: the recipe's, 10 and 50), from the same params
-on the same batches. After a warm-up it times ``--rounds`` rounds in turn, each one
-refresh period of steps per contender, so every round holds the same
-number of statistics steps and refreshes, and reports each contender's
-median ms per step and its ratio to the fixed mode's. Prints a Markdown
-table; writes nothing.
+on the same batches. After a warm-up it times ``--rounds`` refresh
+periods of steps, the contenders' steps interleaved as in the races
+(`harness.race`), so each holds the same statistics steps and refreshes,
+and reports each contender's mean ms per step and its ratio to the fixed
+mode's. Prints a Markdown table; writes nothing.
 
 From the repository root::
 
@@ -24,9 +24,6 @@ import importlib
 import os
 import statistics
 import sys
-import time
-
-import jax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))  # the repository root
@@ -42,31 +39,21 @@ WARMUP_STEPS = 12  # past the first refresh and each program's compile
 
 
 def step_times(workload_name, periods, rounds, quick=False):
-  """``{contender: [ms per step of each round]}`` on one workload."""
+  """``{contender: [seconds of each timed step]}`` on one workload: after a
+  warm-up, ``rounds`` refresh periods of steps, the contenders' steps
+  interleaved (`harness.race`, one LAPACK thread as in the races)."""
   workload = importlib.import_module(f"benchmarks.{workload_name}").workload(quick=quick)
   params, model_state = harness.initial_variables(workload, 0)
   step = harness.train_step(workload)
   batches = harness.Batches(workload, 0)
-  states, contenders = {}, {}
-  for name, settings in CONTENDERS.items():
-    contender = harness.kfac_optax_contender(name, {**settings, **periods}, workload,
+  contenders = [harness.kfac_optax_contender(name, {**settings, **periods}, workload,
                                              step, model_state)
-    state = contender.start(params)
-    for i in range(WARMUP_STEPS):
-      state, loss = contender.step(state, *batches(i), i)
-    jax.block_until_ready(loss)
-    states[name], contenders[name] = state, contender
-  length, times = periods["inverse_update_period"], {name: [] for name in CONTENDERS}
-  for r in range(rounds):
-    first = WARMUP_STEPS + r * length
-    for name, contender in contenders.items():
-      state, start = states[name], time.perf_counter()
-      for i in range(first, first + length):
-        state, loss = contender.step(state, *batches(i), i)
-      jax.block_until_ready(loss)
-      times[name].append((time.perf_counter() - start) / length * 1e3)
-      states[name] = state
-  return times
+                for name, settings in CONTENDERS.items()]
+  with harness.single_threaded_lapack():
+    harness.warm_up(contenders, params, batches, WARMUP_STEPS)
+    record = harness.race(contenders, params, batches,
+                          rounds * periods["inverse_update_period"])
+  return {name: run["step_s"] for name, run in record.items()}
 
 
 def main(argv=None):
@@ -84,14 +71,14 @@ def main(argv=None):
         "autoencoder", 2, 4, 2)
   periods = dict(stats_update_period=args.stats_period,
                  inverse_update_period=args.inverse_period)
-  print(f"| workload | {' | '.join(CONTENDERS)} (median ms per step / fixed) |")
+  print(f"| workload | {' | '.join(CONTENDERS)} (mean ms per step / fixed) |")
   print("|---|" + "---:|" * len(CONTENDERS))
   results = {}
   for name in args.workloads.split(","):
     times = step_times(name, periods, args.rounds, args.quick)
-    medians = {k: statistics.median(v) for k, v in times.items()}
-    results[name] = medians
-    cells = [f"{m:.1f} ({m / medians['fixed']:.2f})" for m in medians.values()]
+    means = {k: 1e3 * statistics.mean(v) for k, v in times.items()}
+    results[name] = means
+    cells = [f"{m:.1f} ({m / means['fixed']:.2f})" for m in means.values()]
     print(f"| {name} | {' | '.join(cells)} |", flush=True)
   return results
 
