@@ -2,12 +2,16 @@
 
 Every model of `stability_problems` is trained for a few hundred steps with
 each configuration of `CONFIGS` (keywords passed straight to
-``kfac_optax.kfac``) and with Adam at each of `ADAM_LRS`. The best Adam (by
-final smoothed loss) sets the target. Per model and configuration the results
-give the final smoothed loss, whether and where the loss first went
-non-finite, the steps and seconds to the best Adam's final loss, the mean
-ms/step, and the extremes of ``kfac_optax.stats`` over the run (learning
-rate, momentum, damping, ρ: what the automatic mode chose).
+``kfac_optax.kfac``) and with Adam at each of `ADAM_LRS`, once for each of
+`SEEDS` (its own initial params, batches and keys). The best Adam (by final
+smoothed loss) sets each seed's target. Per model and configuration the
+results give the median over the seeds of the final smoothed loss (and its
+range), whether and where the loss first went non-finite in any seed, the
+median steps and seconds to the best Adam's final loss, the median mean
+ms/step, and the extremes of ``kfac_optax.stats`` over the runs (learning
+rate, momentum, damping, ρ: what the automatic mode chose). These models
+are small and their 300-step losses chaotic: one seed's ranking of two
+contenders can reverse on the next, so a single seed is not a verdict.
 
 Fairness as in `harness`: one set of initial params per model, the same
 batches and per-step keys for every contender, compilation in a discarded
@@ -17,8 +21,8 @@ contender stops at its first non-finite loss.
 
 From the repository root::
 
-  python benchmarks/stability.py                  # full suite (~12 min on 2 cores)
-  python benchmarks/stability.py --quick          # smoke test (~1 min)
+  python benchmarks/stability.py                  # full suite (~10 min on 2 cores)
+  python benchmarks/stability.py --quick          # smoke test, one seed (~1 min)
   python benchmarks/stability.py --models self_attention --configs kfac_auto --steps 100
 
 A full run (all models, default steps) writes ``benchmarks/results/stability.json``
@@ -43,6 +47,7 @@ import argparse
 import datetime
 import math
 import os
+import statistics
 import sys
 import time
 
@@ -78,6 +83,7 @@ COMPARISON = ("kfac_auto", KFAC_JAX, "adam")
 ADAM_LRS = (1e-3, 3e-3, 1e-2)
 QUICK_ADAM_LR = 3e-3
 STEPS, QUICK_STEPS = 300, 10
+SEEDS = (0, 1, 2)
 TRACKED_STATS = ("learning_rate", "momentum", "requested_damping", "rho")
 STABILITY_MD = os.path.join(harness.REPO_ROOT, "benchmarks", "STABILITY.md")
 SCRIPT = "benchmarks/stability.py"
@@ -181,6 +187,55 @@ def run_model(problem, configs, adam_lrs, steps, seed, log_every, load,
               best_adam=best_adam, failed=failed, rows=rows)
 
 
+def _median(values):
+  """The median, a missing (None) or non-finite value counting as the
+  worst; None where that worst is the median."""
+  worst = [math.inf if v is None or not math.isfinite(v) else v for v in values]
+  middle = statistics.median(worst)
+  return None if not math.isfinite(middle) else float(middle)
+
+
+def over_seeds(entries):
+  """One model's results over seeds (``{seed: run_model's entry}``): each
+  contender's medians and extremes, its runs kept under ``per_seed``."""
+  first = next(iter(entries.values()))
+  failed = {}
+  for entry in entries.values():
+    for name, error in entry["failed"].items():
+      failed.setdefault(name, error)
+  names = [n for n in first["rows"] if n not in failed]
+  rows = {}
+  for name in names:
+    runs = {seed: entry["rows"][name] for seed, entry in entries.items()}
+    diverged = {seed: r["first_nonfinite_step"] for seed, r in runs.items()
+                if r["diverged"]}
+    each = lambda key: [r[key] for r in runs.values()]
+    finals = each("final_loss")
+    rows[name] = dict(
+        family=runs[next(iter(runs))]["family"],
+        settings=runs[next(iter(runs))]["settings"], steps=min(each("steps")),
+        final_loss=_median(finals), final_losses=finals,
+        diverged=bool(diverged), diverged_at=diverged,
+        first_nonfinite_step=min(diverged.values()) if diverged else None,
+        mean_ms=statistics.median(each("mean_ms")),
+        compile_s=statistics.median(each("compile_s")),
+        steps_to_adam=_median(each("steps_to_adam")),
+        seconds_to_adam=_median(each("seconds_to_adam")),
+        vs_adam=_median(each("vs_adam")))
+    if "stats" in runs[next(iter(runs))]:
+      rows[name]["stats"] = {
+          k: dict(min=min(r["stats"][k]["min"] for r in runs.values()),
+                  max=max(r["stats"][k]["max"] for r in runs.values()))
+          for k in TRACKED_STATS}
+  adams = {n: r["final_loss"] for n, r in rows.items()
+           if r["family"] == "adam" and r["final_loss"] is not None}
+  return dict(
+      {k: first[k] for k in ("description", "batch_size", "num_examples",
+                             "num_params")},
+      best_adam=min(adams, key=adams.get) if adams else None, failed=failed,
+      rows=rows, per_seed=entries)
+
+
 # --------------------------------------------------------------------------
 # Report
 
@@ -202,17 +257,24 @@ def _preamble(payload):
       f"load average during the run {load['min']:.1f}-{load['max']:.1f} "
       f"(median {load['median']:.1f}); BLAS: {', '.join(env['blas'])}",
       "- **Versions:** " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
-      f"- **Run:** {config['steps']} steps per contender, seed {config['seed']}; "
-      "every contender of a model starts from the same params and sees the "
-      "same batches and keys."]
+      f"- **Run:** {config['steps']} steps per contender and seed, seeds "
+      f"{', '.join(map(str, config['seeds']))}; within a seed every "
+      "contender of a model starts from the same params and sees the same "
+      "batches and keys."]
 
 
 def _first_cells(model, name, row, best_adam):
-  """Model, contender, final loss, / best Adam, diverged, steps to Adam."""
+  """Model, contender, final loss and its range over the seeds, / best Adam,
+  diverged, steps to Adam."""
   fmt = harness.fmt
+  finals = [v for v in row["final_losses"] if math.isfinite(v)]
+  spread = (f"{min(finals):.4g} … {max(finals):.4g}" if len(finals) > 1
+            else "—")
+  diverged = "; ".join(f"seed {seed}: {step}"
+                       for seed, step in row["diverged_at"].items()) or "—"
   return [model, f"{name} (best)" if name == best_adam else name,
-          fmt(row["final_loss"], ".4g"), fmt(row["vs_adam"], ".3g"),
-          fmt(row["first_nonfinite_step"], "d"), fmt(row["steps_to_adam"], "d")]
+          fmt(row["final_loss"], ".4g"), spread, fmt(row["vs_adam"], ".3g"),
+          diverged, fmt(row["steps_to_adam"], ".0f")]
 
 
 def markdown(payload):
@@ -230,14 +292,18 @@ def markdown(payload):
       + f"; Adam: best of lr {', '.join(f'{lr:g}' for lr in config['adam_lrs'])} "
       "by final smoothed loss.",
       f"- **Columns:** final loss = mean of the last {harness.WINDOW} mini-batch "
-      "training losses; diverged = first step with a non-finite loss (the "
-      "contender stops there); steps / s to Adam = until the trailing mean "
-      "first reaches the best Adam's final loss (compilation excluded); "
-      "mean ms/step includes K-FAC's inverse refreshes.",
+      "training losses, the median over the seeds (a diverged run counts as "
+      "the worst), then its range; / best Adam = the median of each seed's "
+      "ratio to that seed's best Adam; diverged = the seed and first step "
+      "with a non-finite loss (the contender stops there); steps / s to "
+      "Adam = until the trailing mean first reaches the seed's best Adam's "
+      "final loss (compilation excluded), median over the seeds (— where "
+      "most did not reach it); mean ms/step, its median, includes K-FAC's "
+      "inverse refreshes.",
       "",
-      "| model | contender | final loss | / best Adam | diverged at step | "
-      "steps to Adam | s to Adam | mean ms/step |",
-      "|---|---|---:|---:|---:|---:|---:|---:|",
+      "| model | contender | final loss | over seeds | / best Adam | "
+      "diverged at step | steps to Adam | s to Adam | mean ms/step |",
+      "|---|---|---:|---|---:|---|---:|---:|---:|",
   ]
   for model, result in payload["models"].items():
     shown = [n for n, r in result["rows"].items() if r["family"] != "adam"]
@@ -247,11 +313,12 @@ def markdown(payload):
       lines.append("| " + " | ".join(
           _first_cells(model, name, row, result["best_adam"])
           + [fmt(row["seconds_to_adam"]), fmt(row["mean_ms"])]) + " |")
-    lines += [f"| {model} | {name} | failed: `{error}` | | | | | |"
+    lines += [f"| {model} | {name} | failed: `{error}` | | | | | | |"
               for name, error in result["failed"].items()]
   lines += ["", "## kfac_optax.stats over the run (min … max)", "",
-            "Contenders whose coefficients moved; the learning rate is the "
-            "step's `-α`, ρ the last measured reduction ratio.", "",
+            "Contenders whose coefficients moved, over every seed's run; the "
+            "learning rate is the step's `-α`, ρ the last measured reduction "
+            "ratio.", "",
             "| model | contender | learning rate | momentum | damping | ρ |",
             "|---|---|---:|---:|---:|---:|"]
   for model, result in payload["models"].items():
@@ -262,7 +329,7 @@ def markdown(payload):
             _range(stats[k]) for k in TRACKED_STATS) + " |")
   lines += ["", "## Models", ""]
   lines += [f"- **{model}:** {r['description']} {r['num_params']} params, "
-            f"batch {r['batch_size']}. Adam finals: " + ", ".join(
+            f"batch {r['batch_size']}. Adam finals (medians): " + ", ".join(
                 f"{n.split('=')[1]}: {fmt(row['final_loss'], '.4g')}"
                 for n, row in r["rows"].items() if row["family"] == "adam") + "."
             for model, r in payload["models"].items()]
@@ -288,17 +355,18 @@ def kfac_jax_markdown(payload):
       f"{', '.join(f'{lr:g}' for lr in config['adam_lrs'])} by final smoothed "
       "loss.",
       f"- **Columns:** final loss = mean of the last {harness.WINDOW} "
-      "mini-batch training losses at equal steps (the comparison); diverged = "
-      "first step with a non-finite loss; steps to Adam = until the trailing "
-      "mean first reaches the best Adam's final loss; mean ms/step (inverse "
-      "refreshes included, steps of all contenders interleaved, on a shared "
-      "machine) and its ratio to `kfac_auto`'s.",
+      "mini-batch training losses at equal steps (the comparison), median "
+      "over the seeds and range; diverged = seed and first step with a "
+      "non-finite loss; steps to Adam = until the trailing mean first "
+      "reaches the seed's best Adam's final loss (median); mean ms/step "
+      "(inverse refreshes included, steps of all contenders interleaved, on "
+      "a shared machine; median) and its ratio to `kfac_auto`'s.",
   ]
   if payload["kfac_jax_unavailable"]:
     lines.append(f"- **kfac-jax not run:** {payload['kfac_jax_unavailable']}")
-  lines += ["", "| model | contender | final loss | / best Adam | diverged at "
-            "step | steps to Adam | mean ms/step | ms/step / kfac_auto |",
-            "|---|---|---:|---:|---:|---:|---:|---:|"]
+  lines += ["", "| model | contender | final loss | over seeds | / best Adam | "
+            "diverged at step | steps to Adam | mean ms/step | ms/step / kfac_auto |",
+            "|---|---|---:|---|---:|---|---:|---:|---:|"]
   for model, result in ran.items():
     rows = result["rows"]
     base_ms = rows.get("kfac_auto", {}).get("mean_ms")
@@ -348,7 +416,9 @@ def parse_args(argv):
   parser.add_argument("--steps", type=int, help=f"steps per contender "
                       f"(default {STEPS}, {QUICK_STEPS} with --quick)")
   parser.add_argument("--adam-lrs", type=lambda s: [float(v) for v in s.split(",")])
-  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--seeds", type=lambda s: [int(v) for v in s.split(",")],
+                      help=f"comma-separated seeds (default "
+                      f"{','.join(map(str, SEEDS))}, 0 with --quick)")
   parser.add_argument("--log-every", type=int, default=50)
   parser.add_argument("--out-dir", help="where stability.json goes (default: "
                       "benchmarks/results for a full run, nowhere otherwise)")
@@ -356,6 +426,7 @@ def parse_args(argv):
                       "benchmarks/STABILITY.md for a full run, none otherwise)")
   args = parser.parse_args(argv)
   args.steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
+  args.seeds = args.seeds or ([0] if args.quick else list(SEEDS))
   if args.adam_lrs is None:
     args.adam_lrs = [QUICK_ADAM_LR] if args.quick else list(ADAM_LRS)
   if "adam" not in args.configs:
@@ -390,17 +461,18 @@ def main(argv=None):
   with harness.single_threaded_lapack():
     env = harness.environment()
     for name in args.models:
-      problem = stability_problems.make_problem(name, quick=args.quick,
-                                                seed=args.seed)
-      print(f"{name}: {problem.description}", flush=True)
-      results[name] = run_model(problem, configs, args.adam_lrs, args.steps,
-                                args.seed, 0 if args.quick else args.log_every,
-                                load, kfac_jax)
+      runs = {}
+      for seed in args.seeds:
+        problem = stability_problems.make_problem(name, quick=args.quick, seed=seed)
+        print(f"{name}, seed {seed}: {problem.description}", flush=True)
+        runs[seed] = run_model(problem, configs, args.adam_lrs, args.steps, seed,
+                               0 if args.quick else args.log_every, load, kfac_jax)
+      results[name] = over_seeds(runs)
   payload = dict(
       command=command, date=datetime.datetime.now(datetime.timezone.utc).strftime(
           "%Y-%m-%d %H:%M UTC"),
       environment=env, load_average=load.summary(),
-      config=dict(steps=args.steps, seed=args.seed, quick=args.quick,
+      config=dict(steps=args.steps, seeds=args.seeds, quick=args.quick,
                   configs=configs, adam_lrs=args.adam_lrs, window=harness.WINDOW,
                   kfac_jax=KFAC_JAX_AUTO if KFAC_JAX in args.configs else None),
       kfac_jax_unavailable=unavailable, models=results,

@@ -74,11 +74,43 @@ def test_results_hold_every_model_and_contender(quick_run):
 def test_kfac_losses_are_finite(quick_run):
   results, _ = quick_run
   for model, result in results["models"].items():
+    assert list(result["per_seed"]) == [0]  # the quick run's one seed
     for name in QUICK_CONFIGS:
-      row = result["rows"][name]
+      row = result["per_seed"][0]["rows"][name]
       assert row["steps"] == stability.QUICK_STEPS, (model, name)
       assert np.all(np.isfinite(row["losses"])), (model, name, row["losses"])
       assert math.isfinite(row["final_loss"]), (model, name)
+
+
+def _run(final_loss, steps_to_adam, diverged_at=None, family="kfac_optax"):
+  """A contender's row of one seed's `stability.run_model` entry."""
+  return dict(family=family, settings={}, steps=diverged_at or 300,
+              final_loss=final_loss, diverged=diverged_at is not None,
+              first_nonfinite_step=diverged_at, mean_ms=2.0, compile_s=1.0,
+              steps_to_adam=steps_to_adam, seconds_to_adam=steps_to_adam,
+              vs_adam=final_loss / 2.0,
+              **({"stats": {k: dict(min=0.1, max=0.2)
+                            for k in stability.TRACKED_STATS}}
+                 if family == "kfac_optax" else {}))
+
+
+def test_seeds_are_summarised_by_medians_with_a_diverged_run_the_worst():
+  entries = {seed: dict(description="d", batch_size=8, num_examples=64,
+                        num_params=10, best_adam="adam", failed={},
+                        rows={"kfac": kfac, "adam": _run(2.0, 250, family="adam")})
+             for seed, kfac in enumerate([_run(1.0, 100), _run(math.nan, None, 40),
+                                          _run(3.0, None)])}
+  entries[2]["failed"] = {"other": "error"}
+  summary = stability.over_seeds(entries)
+  row = summary["rows"]["kfac"]
+  assert row["final_loss"] == 3.0  # 1, 3 and the diverged run's inf
+  assert row["steps_to_adam"] is None  # reached in one seed of three
+  assert row["diverged"] and row["diverged_at"] == {1: 40}
+  assert row["first_nonfinite_step"] == 40 and row["steps"] == 40
+  assert row["vs_adam"] == 1.5
+  assert summary["rows"]["adam"]["steps_to_adam"] == 250
+  assert summary["failed"] == {"other": "error"} and summary["best_adam"] == "adam"
+  assert summary["per_seed"] is entries
 
 
 # kfac-jax's automatic mode as an optional contender (skipped without kfac-jax).
@@ -102,7 +134,7 @@ def kfac_jax_run(tmp_path_factory):
 @needs_kfac_jax
 def test_kfac_jax_contender_races_or_records_its_error(kfac_jax_run):
   results, out = kfac_jax_run
-  row = results["models"]["mlp"]["rows"][stability.KFAC_JAX]
+  row = results["models"]["mlp"]["per_seed"][0]["rows"][stability.KFAC_JAX]
   assert row["family"] == "kfac_jax" and row["steps"] == stability.QUICK_STEPS
   assert np.all(np.isfinite(row["losses"])), row["losses"]
   # kfac-jax 0.0.8 cannot match nn.SelfAttention's per-head Dense layers.
