@@ -42,6 +42,14 @@ def _second_element(batch: Batch) -> jax.Array:
   return batch_element(batch, 1, "targets", "the loss")
 
 
+def _zero_where_masked(targets: jax.Array, mask: jax.Array) -> jax.Array:
+  """``targets`` with 0 where ``mask`` (the terms' or, per unit, the
+  targets' shape) is 0."""
+  counted = jnp.reshape(mask, jnp.shape(mask) + (1,) * (
+      jnp.ndim(targets) - jnp.ndim(mask))) != 0
+  return jnp.where(counted, targets, jnp.zeros_like(targets))
+
+
 @dataclasses.dataclass(frozen=True)
 class PredictiveLoss:
   """Base class: a negative log-likelihood with sampling and Fisher access.
@@ -56,7 +64,8 @@ class PredictiveLoss:
       independent per output unit (``sigmoid_cross_entropy``,
       ``squared_error``) the mask may also have the outputs' shape: each
       unit is then a term of its own (missing labels of a multi-label
-      task), the loss ``Σ_units w NLL_unit / Σ w``.
+      task), the loss ``Σ_units w NLL_unit / Σ w``. A masked term's
+      targets may be anything, NaN included (`batch_targets`).
   """
 
   targets: Callable[[Batch], jax.Array] = _second_element
@@ -88,7 +97,13 @@ class PredictiveLoss:
     return tuple(outputs_shape)
 
   def batch_targets(self, outputs: jax.Array, batch: Batch) -> jax.Array:
-    """``targets(batch)``, checked against ``outputs`` at trace time.
+    """``targets(batch)``, checked against ``outputs`` at trace time, 0
+    where the mask is 0.
+
+    A masked target may be anything, NaN included (Flax's ogbg-molpcba
+    example marks a missing label so): left in, its NLL and its output
+    gradient would be NaN, and the mask's weight 0 times NaN is NaN, in
+    the loss and in every empirical statistic.
 
     Raises:
       ValueError: naming the loss, both shapes and what ``targets=`` must
@@ -103,7 +118,9 @@ class PredictiveLoss:
           f"({jnp.result_type(targets)}) for outputs of shape "
           f"{jnp.shape(outputs)}; targets= must return {self.TARGETS}, here "
           f"{expected}")
-    return targets
+    if self.mask is None:
+      return targets
+    return _zero_where_masked(targets, self.batch_mask(outputs, batch))
 
   def batch_mask(self, outputs: jax.Array, batch: Batch) -> jax.Array:
     """``mask(batch)``, checked to have the terms' shape ``outputs.shape[:-1]``
@@ -422,7 +439,11 @@ class Joint(PredictiveLoss):
     return shapes[0]
 
   def batch_targets(self, outputs, batch):
-    return tuple(head.batch_targets(f, batch) for head, f in zip(self.heads, outputs))
+    targets = tuple(head.batch_targets(f, batch) for head, f in zip(self.heads, outputs))
+    if self.mask is None:
+      return targets
+    mask = self.batch_mask(outputs, batch)
+    return tuple(_zero_where_masked(y, mask) for y in targets)
 
   def batch_mask(self, outputs, batch):
     mask, terms = self.mask(batch), self.term_shape(outputs)

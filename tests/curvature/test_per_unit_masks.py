@@ -69,6 +69,31 @@ def test_factors_are_the_brute_force_ones(estimation):
     assert bf.relative_error(got_g, want_g) < 1e-5
 
 
+@pytest.mark.parametrize("loss", [
+    LOSS,  # a mask per unit
+    kfac_optax.losses.squared_error(targets=lambda b: b["y"],  # a mask per row
+                                    mask=lambda b: jnp.sum(b["mask"], 1))])
+def test_masked_targets_may_be_nan(loss):
+  """Missing labels marked NaN under a zero mask (Flax's ogbg-molpcba
+  example): the loss, eager and jitted, and the empirical statistics are
+  those of any finite targets there, none rejected."""
+  params, batch = problem()
+  mask = batch["mask"] if loss is LOSS else jnp.sum(batch["mask"], 1, keepdims=True)
+  missing = {**batch, "y": jnp.where(mask == 0, jnp.nan, batch["y"])}
+  logits = bf.TinyMLP().apply({"params": params}, batch["x"])
+  want = float(loss.value(logits, batch))
+  assert float(loss.value(logits, missing)) == pytest.approx(want, rel=1e-6)
+  assert float(jax.jit(loss.value)(logits, missing)) == pytest.approx(want, rel=1e-6)
+  tx = kfac_optax.scale_by_kfac(bf.TinyMLP().apply, loss, example_batch=batch,
+                                inputs=lambda b: b["x"], estimation="empirical")
+  update = jax.jit(lambda p, b: tx.update(p, tx.init(p), p, batch=b)[1])
+  state, want_state = update(params, missing), update(params, batch)
+  assert int(state.rejected_statistics) == 0
+  for name in bf.LAYERS:
+    for got, expected in zip(state.factors[name], want_state.factors[name]):
+      assert bf.relative_error(got, np.asarray(expected)) < 1e-6
+
+
 def test_exact_product_is_the_brute_force_fisher_of_the_masked_loss():
   """F = Σ_{n,c} m_nc p(1-p) ∇f_nc ∇f_ncᵀ / Σ m (the Gauss-Newton matrix of
   the weighted mean over units), times a vector."""
