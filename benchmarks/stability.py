@@ -210,10 +210,10 @@ def over_seeds(entries):
     diverged = {seed: r["first_nonfinite_step"] for seed, r in runs.items()
                 if r["diverged"]}
     each = lambda key: [r[key] for r in runs.values()]
-    finals = each("final_loss")
+    finals, first_run = each("final_loss"), first["rows"][name]
     rows[name] = dict(
-        family=runs[next(iter(runs))]["family"],
-        settings=runs[next(iter(runs))]["settings"], steps=min(each("steps")),
+        family=first_run["family"], settings=first_run["settings"],
+        steps=min(each("steps")),
         final_loss=_median(finals), final_losses=finals,
         diverged=bool(diverged), diverged_at=diverged,
         first_nonfinite_step=min(diverged.values()) if diverged else None,
@@ -222,7 +222,7 @@ def over_seeds(entries):
         steps_to_adam=_median(each("steps_to_adam")),
         seconds_to_adam=_median(each("seconds_to_adam")),
         vs_adam=_median(each("vs_adam")))
-    if "stats" in runs[next(iter(runs))]:
+    if "stats" in first_run:
       rows[name]["stats"] = {
           k: dict(min=min(r["stats"][k]["min"] for r in runs.values()),
                   max=max(r["stats"][k]["max"] for r in runs.values()))
