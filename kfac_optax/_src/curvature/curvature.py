@@ -159,10 +159,11 @@ class Curvature(options.CurvatureOptions):
     collections' changes discarded)."""
     return self.model.forward(param_boxes.values(params), batch, variables, rng)
 
-  def loss_value(self, params: Any, batch: Any, variables: dict | None = None,
-                 rng: jax.Array | None = None) -> jax.Array:
-    """The training loss ``loss.value`` of the model on ``batch``."""
-    return self.loss.value(self.forward(params, batch, variables, rng), batch)
+  def batch_loss(self, outputs: Any, batch: Any) -> jax.Array:
+    """The training loss ``loss.value`` of the model's ``outputs`` on
+    ``batch``, averaged over the replicas (`over_replicas`): the whole
+    batch's."""
+    return self.over_replicas(self.loss.value(outputs, batch))
 
   def declared_specs(self, params: Any) -> Any:
     """The params' PartitionSpecs as their partitioning metadata declares

@@ -189,9 +189,8 @@ def _solved_coefficients(settings: Settings, v: Any, grads: Any, previous: Any,
   undamped, gram, linear = padded(undamped), padded(gram), padded(linear)
   alpha, mu_now, qmodel_change = adaptive.quadratic_coefficients(
       undamped + damping * gram, linear, lr, mu, gram[1, 1] > 0)
-  loss = curvature.over_replicas(curvature.loss.value(outputs, batch))
   return _Coefficients(alpha, mu_now, qmodel_change,
-                       _Quadratic(undamped, linear, loss))
+                       _Quadratic(undamped, linear, curvature.batch_loss(outputs, batch)))
 
 
 def _fixed_coefficients(settings: Settings, lr: Any, mu: Any, vg: jax.Array,
@@ -228,7 +227,7 @@ def _undamped_change(settings: Settings, coefficients: _Coefficients, delta: Any
   fisher_term = curvature.over_replicas(adaptive.tree_dot(tangent, fisher_tangent))
   return (adaptive.tree_dot(grads, delta)
           + 0.5 * (fisher_term + l2_reg * adaptive.tree_dot(delta, delta))), (
-              curvature.over_replicas(curvature.loss.value(outputs, batch)))
+              curvature.batch_loss(outputs, batch))
 
 
 def _reduction_ratio(settings: Settings, coefficients: _Coefficients, delta: Any,
@@ -238,8 +237,8 @@ def _reduction_ratio(settings: Settings, coefficients: _Coefficients, delta: Any
   curvature, l2_reg = settings.curvature, settings.l2_reg
   change, before = _undamped_change(settings, coefficients, delta, grads,
                                     params, batch, variables, rng)
-  moved = curvature.over_replicas(curvature.loss_value(
-      optax.apply_updates(params, delta), batch, variables, rng))
+  moved = curvature.batch_loss(curvature.forward(
+      optax.apply_updates(params, delta), batch, variables, rng), batch)
   # The user's loss holds the L2 term the model's l2_reg stands for:
   # η/2 (‖θ+δ‖² - ‖θ‖²) of the change is its.
   actual = (moved - before + l2_reg * (
