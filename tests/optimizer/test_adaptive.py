@@ -436,6 +436,19 @@ def test_a_step_predicted_to_lower_a_nonnegative_loss_below_zero_is_measured(l2_
     assert (float(rho) != 1.0) == measured
     assert (not np.any(flat64(delta))) == measured  # ρ < 0: not taken
 
+  # Measured for the check alone, λ rises only with the loss: a step whose
+  # loss fell, by far less than predicted (0 <= ρ < ¼), is taken, λ kept.
+  downhill = jax.tree.map(lambda g: -1e-3 * g, grads)
+  for step, rises in [(uphill, True), (downhill, False)]:
+    settings, state, coefficients = implausible_case(LOSS, l2_reg, -8 * objective)
+    delta, rho, damping = kfac_step._adapt_damping(  # pylint: disable=protected-access
+        settings, state, coefficients, jnp.bool_(True), step, state.damping,
+        grads, PARAMS, BATCH, {}, None)
+    assert (float(rho) < 0) == rises and float(rho) < 0.25
+    assert (float(damping) > float(state.damping)) == rises
+    assert float(damping) >= float(state.damping)
+    assert bool(np.any(flat64(delta))) != rises
+
 
 def test_joint_losses_are_nonnegative_when_every_head_is():
   losses = kfac_optax.losses

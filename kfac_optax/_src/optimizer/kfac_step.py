@@ -256,8 +256,8 @@ def _implausible(settings: Settings, coefficients: _Coefficients,
   than four times its value (with the L2 term, ``η/2 ‖θ‖²``), where no loss
   can be below 0 (`losses.PredictiveLoss.nonnegative`): whatever the loss
   does, such a step's ρ is below ¼, a poor step by the Levenberg-Marquardt
-  rule's own bound, so measuring it raises λ (and rejects the step if the
-  loss rose).
+  rule's own bound, so it is measured: rejected, and λ raised, if the loss
+  rose; else taken, and the next step measured (`_adapt_damping`).
 
   Between the scheduled measurements of ρ nothing else checks a step, and
   with λ at its floor the model's steps can grow without bound: on the
@@ -283,21 +283,28 @@ def _adapt_damping(settings: Settings, state: KFACState, coefficients: _Coeffici
   after a poor step (ρ < ¼ or non-finite) until a good one, so λ reacts
   within a few steps, and at any step whose model predicts a decrease
   more than four times the loss where the loss cannot go below 0
-  (`_implausible`). A measured step that raised the loss, made it
+  (`_implausible`; such a step moves λ by the rule only if its loss rose
+  or it is due anyway). A measured step that raised the loss, made it
   non-finite or was not predicted to lower it is not taken: δ is zero, so
   the momentum restarts from zero.
   """
-  due = moving & (
+  scheduled = moving & (
       ((state.count - settings.num_burnin_steps)
-       % settings.damping_adaptation_interval == 0) | ~(state.rho >= 0.25)
-      | _implausible(settings, coefficients, params))
+       % settings.damping_adaptation_interval == 0) | ~(state.rho >= 0.25))
+  due = scheduled | (moving & _implausible(settings, coefficients, params))
   rho = jax.lax.cond(
       due, lambda _: _reduction_ratio(settings, coefficients, delta, grads,
                                       params, batch, variables, rng,
                                       state.rho.dtype),
       lambda _: state.rho, None)
+  # A step measured for its implausible model alone raises λ only if its
+  # loss rose: one whose loss fell, by less than the model said, keeps λ
+  # (its ρ below ¼ has the next step measured by the rule). Raising λ at
+  # each such step cost cnn_bn_dropout 40% of its 300-step loss and ended
+  # long LM and convnet runs higher (benchmarks/STABILITY.md).
+  ruled = jnp.where(scheduled | ~(rho >= 0.0), rho, jnp.maximum(rho, 0.25))
   new_damping = jnp.where(due, adaptive.levenberg_marquardt(
-      damping, rho, settings.damping_adaptation_decay,
+      damping, ruled, settings.damping_adaptation_decay,
       settings.damping_adaptation_interval, settings.min_damping,
       settings.max_damping), damping)
   rejected = due & ~(rho >= 0.0)
