@@ -97,13 +97,21 @@ class PredictiveLoss:
     return tuple(outputs_shape)
 
   def batch_targets(self, outputs: jax.Array, batch: Batch) -> jax.Array:
-    """``targets(batch)``, checked against ``outputs`` at trace time, 0
-    where the mask is 0.
+    """`checked_targets`, 0 where the mask is 0.
 
     A masked target may be anything, NaN included (Flax's ogbg-molpcba
     example marks a missing label so): left in, its NLL and its output
     gradient would be NaN, and the mask's weight 0 times NaN is NaN, in
     the loss and in every empirical statistic.
+    """
+    targets = self.checked_targets(outputs, batch)
+    if self.mask is None:
+      return targets
+    mask = self.batch_mask(outputs, batch)
+    return jax.tree.map(lambda y: _zero_where_masked(y, mask), targets)
+
+  def checked_targets(self, outputs: jax.Array, batch: Batch) -> jax.Array:
+    """``targets(batch)``, checked against ``outputs`` at trace time.
 
     Raises:
       ValueError: naming the loss, both shapes and what ``targets=`` must
@@ -118,9 +126,7 @@ class PredictiveLoss:
           f"({jnp.result_type(targets)}) for outputs of shape "
           f"{jnp.shape(outputs)}; targets= must return {self.TARGETS}, here "
           f"{expected}")
-    if self.mask is None:
-      return targets
-    return _zero_where_masked(targets, self.batch_mask(outputs, batch))
+    return targets
 
   def batch_mask(self, outputs: jax.Array, batch: Batch) -> jax.Array:
     """``mask(batch)``, checked to have the terms' shape ``outputs.shape[:-1]``
@@ -438,12 +444,8 @@ class Joint(PredictiveLoss):
           "layers unpreconditioned, layer_overrides={'its/path': 'skip'}")
     return shapes[0]
 
-  def batch_targets(self, outputs, batch):
-    targets = tuple(head.batch_targets(f, batch) for head, f in zip(self.heads, outputs))
-    if self.mask is None:
-      return targets
-    mask = self.batch_mask(outputs, batch)
-    return tuple(_zero_where_masked(y, mask) for y in targets)
+  def checked_targets(self, outputs, batch):
+    return tuple(head.checked_targets(f, batch) for head, f in zip(self.heads, outputs))
 
   def batch_mask(self, outputs, batch):
     mask, terms = self.mask(batch), self.term_shape(outputs)
