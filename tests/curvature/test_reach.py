@@ -1,6 +1,7 @@
 """Layers and params the loss's outputs do not depend on: init refuses them
 (their Fisher block is zero), naming the fix; ``"skip"`` leaves them
-unpreconditioned."""
+unpreconditioned; a layer's calls that do not reach the loss are left out
+of its statistics."""
 
 import flax.linen as nn
 import jax
@@ -127,3 +128,48 @@ def test_nnx_heads_are_checked_too():
                              outputs=lambda out: out[0], learning_rate=1e-2,
                              layer_overrides={"value": "skip"})
   skipping.init(params)
+
+
+class PooledHead(nn.Module):
+  """big_vision's ViT head: one layer applied to the pooled features, which
+  the loss reads, and to every position's, returned beside them."""
+  per_position: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    h = jnp.tanh(nn.Dense(4, name="hidden")(x))
+    head = nn.Dense(3, name="head")
+    logits = head(h.mean(1))
+    return (logits, head(h)) if self.per_position else (logits, h)
+
+
+def test_a_call_that_does_not_reach_the_loss_is_left_out_of_the_statistics():
+  """The head's factors are the brute-force ones of its pooled call alone,
+  ``A = mean [p, 1][p, 1]ᵀ`` and ``G = mean (diag(s) - s sᵀ)`` (softmax
+  probabilities s; exact estimation), and every factor is the one of the
+  same model without the per-position call."""
+  x = jax.random.normal(jax.random.key(0), (6, 7, 5))
+  batch = (x, jax.random.randint(jax.random.key(1), (6,), 0, 3))
+  params = PooledHead().init(jax.random.key(2), x)["params"]
+
+  def factors(model):
+    tx = kfac_optax.scale_by_kfac(model.apply, LOSS, example_batch=batch,
+                                  outputs=lambda out: out[0], estimation="exact")
+    return jax.jit(lambda p: tx.update(p, tx.init(p), p, batch=batch)[1].factors)(
+        params)
+
+  both, pooled_only = factors(PooledHead()), factors(PooledHead(per_position=False))
+  p64 = jax.tree.map(lambda v: np.asarray(v, np.float64), params)
+  pooled = np.tanh(np.asarray(x, np.float64) @ p64["hidden"]["kernel"]
+                   + p64["hidden"]["bias"]).mean(1)
+  logits = pooled @ p64["head"]["kernel"] + p64["head"]["bias"]
+  s = np.exp(logits - logits.max(1, keepdims=True))
+  s /= s.sum(1, keepdims=True)
+  a_bar = np.concatenate([pooled, np.ones((len(pooled), 1))], 1)
+  want = (a_bar.T @ a_bar / len(a_bar),
+          np.mean([np.diag(row) - np.outer(row, row) for row in s], 0))
+  for got, expected in zip(both["head"], want):
+    np.testing.assert_allclose(np.asarray(got[0], np.float64), expected,
+                               rtol=1e-5, atol=1e-7)
+  for got, expected in zip(jax.tree.leaves(both), jax.tree.leaves(pooled_only)):
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-8)

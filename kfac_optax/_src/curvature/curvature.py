@@ -259,14 +259,20 @@ class Curvature(options.CurvatureOptions):
             self.loss, outputs, batch, self.estimation, sample_key,
             self.num_samples))
 
-  def _batch_statistics(self, plan, stacks_layout, placed, params, batch, variables,
-                        rng):
+  def _batch_statistics(self, plan, reached, stacks_layout, placed, params, batch,
+                        variables, rng):
     """Every block's batch statistics, in ``stacks_layout`` (a `BlockStacks`),
     tiled blocks' on the devices that hold their shards (``placed``:
-    `tile_placement.specs`)."""
+    `tile_placement.specs`), from the calls of each layer that reach the
+    loss's outputs (``reached``: `reach.reached_calls`)."""
     typed = {}
     captured = explicit_axes.in_model_axes(
         functools.partial(self._capture, plan), params, batch, variables, rng, typed)
+    kept = lambda per_path: {path: tuple(calls[i] for i in reached[path])
+                             if path in reached else calls
+                             for path, calls in per_path.items()}
+    captured = captured._replace(inputs=kept(captured.inputs),
+                                 output_grads=kept(captured.output_grads))
     terms = self.loss.terms(captured.outputs, batch)
     stats = {}
     for key, (path, block) in plan.layers.items():
@@ -379,8 +385,12 @@ class Curvature(options.CurvatureOptions):
 
     # Under `on_schedule`'s lax.cond, XLA:CPU would compile the capture's
     # backward convolutions as plain loops (see `canonical_convolutions`).
+    with explicit_axes.params_mesh(params):
+      reached = reach.reached_calls(self.model, plan, params, batch,
+                                    replicas.names(self.axis_name))
     batch_statistics = canonical_convolutions.canonical_convolutions(
-        functools.partial(self._batch_statistics, plan, state.factors.layout, placed))
+        functools.partial(self._batch_statistics, plan, reached,
+                          state.factors.layout, placed))
 
     if rng is None:  # fresh dropout masks each step, not one fixed mask's bias
       rng = jax.random.fold_in(jax.random.key(0), state.count)

@@ -7,7 +7,9 @@ that ``outputs=`` leaves out) has a zero Fisher block: ``G = 0`` and its
 damped inverse scales the user's gradient there by a factor the damping λ
 alone sets (``(A + √λ)⁻¹ ⊗ λ^{-1/2}``, up to ``1/λ``), a step nothing in the
 loss K-FAC models measures. `check` refuses such layers and params at
-``init``, before any step, from `unreached`'s reading of the model's jaxpr.
+``init``, before any step, from `unreached`'s reading of the model's jaxpr;
+a layer that reaches them through some of its calls only has the others
+left out of its statistics (`reached_calls`).
 
 The walk is conservative: a primitive's outputs depend on all of its
 inputs, except ``stop_gradient`` (no derivative passes) and the calls whose
@@ -36,11 +38,41 @@ _TRANSPARENT_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "checkpoint": "jaxpr",
 def check(model: model_call.ModelCall, plan: plans.Plan, params: Any,
           batch: Any, axis_names: tuple[str, ...]) -> None:
   """Every block's layers and params must reach the loss's outputs on
-  ``batch`` (the example batch, at init).
+  ``batch`` (the example batch, at init): a layer through at least one of
+  its calls (`reached_calls` leaves the others out of its statistics).
 
   Raises:
     ValueError: naming the layers and params that do not, and the fix.
   """
+  fallback, calls = _unreached_leaves(model, plan, params, batch, axis_names)
+  layers = [key for key, (path, _) in plan.layers.items()
+            if path in calls and all(calls[path])]
+  leaves = [key for key, unused in fallback.items() if unused]
+  if layers or leaves:
+    raise ValueError(unreached_message(layers, leaves))
+
+
+def reached_calls(model: model_call.ModelCall, plan: plans.Plan, params: Any,
+                  batch: Any, axis_names: tuple[str, ...]
+                  ) -> dict[tree_paths.Path, tuple[int, ...]]:
+  """For each layer some of whose calls do not reach the loss's outputs:
+  the indices of those that do (a layer absent reaches through all).
+
+  A call whose output the loss never reads (big_vision's ViT applies its
+  head to the pooled features, which the loss reads, and to every patch's,
+  which it returns beside them) adds nothing to the layer's Fisher block,
+  but its inputs would count as rows of ``A`` (49 of every 50 rows of that
+  head's): its statistics must leave it out."""
+  _, calls = _unreached_leaves(model, plan, params, batch, axis_names)
+  return {path: tuple(i for i, unused in enumerate(flags) if not unused)
+          for path, flags in calls.items() if any(flags)}
+
+
+def _unreached_leaves(model: model_call.ModelCall, plan: plans.Plan, params: Any,
+                      batch: Any, axis_names: tuple[str, ...]
+                      ) -> tuple[dict[str, bool], dict[tree_paths.Path, tuple[bool, ...]]]:
+  """``(fallback leaf key -> unreached, layer path -> per call: unreached)``,
+  from one abstract trace of the hooked model on ``batch``."""
   found = []
 
   def trace(params, batch, variables, _):
@@ -53,12 +85,9 @@ def check(model: model_call.ModelCall, plan: plans.Plan, params: Any,
         jax.tree.structure((fallback, plan.perturbations)), flags))
   plans.abstractly(trace, params, batch, {}, axis_names)
   fallback, perturbations = found[0]
-  calls = capture.by_layer(perturbations)
-  layers = [key for key, (path, _) in plan.layers.items()
-            if path in calls and all(jax.tree.leaves(calls[path]))]
-  leaves = [key for key, unused in fallback.items() if unused]
-  if layers or leaves:
-    raise ValueError(unreached_message(layers, leaves))
+  calls = {path: tuple(all(jax.tree.leaves(call)) for call in per_call)
+           for path, per_call in capture.by_layer(perturbations).items()}
+  return fallback, calls
 
 
 def unreached(fn: Callable[..., Any], *args: Any) -> list[bool]:
