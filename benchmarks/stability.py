@@ -1,4 +1,4 @@
-"""Stability suite: does K-FAC train eight small models untuned?
+"""Stability suite: does K-FAC train nine small models untuned?
 
 Every model of `stability_problems` is trained for a few hundred steps with
 each configuration of `CONFIGS` (keywords passed straight to

@@ -1,6 +1,6 @@
 """The models of the stability suite, each a ready-to-train `Problem`.
 
-Eight small models on local data (nothing is downloaded): sklearn's digits,
+Nine small models on local data (nothing is downloaded): sklearn's digits,
 Fashion-MNIST downsampled to 14x14 (digits when the Debian package is
 absent), and the character text of `examples/transformer_lm.py`
 (``datasets.load_text`` of the examples). Each is built by name with
@@ -289,6 +289,40 @@ class GPT(nn.Module):
     return wte.attend(nn.LayerNorm(name="ln_f")(x))
 
 
+class ViT(nn.Module):
+  """A small ViT in big_vision's layout: patches by a strided conv, learned
+  position embeddings, pre-LayerNorm encoder blocks (attention, GELU MLP),
+  a final LayerNorm, the mean over patches, a zero-initialised head.
+
+  As big_vision's does, the head also maps every patch (``logits_2d``,
+  sown as an intermediate, which training discards): a call of the head
+  that the loss never reads."""
+  num_classes: int = 10
+  patch: int = 2
+  width: int = 32
+  depth: int = 2
+  num_heads: int = 4
+
+  @nn.compact
+  def __call__(self, images):  # (N, H, W) pixels
+    x = nn.Conv(self.width, (self.patch, self.patch), strides=self.patch,
+                padding="VALID", name="embedding")(images[..., None])
+    n, h, w, c = x.shape
+    x = x.reshape(n, h * w, c) + self.param(
+        "pos_embedding", nn.initializers.normal(1 / math.sqrt(c)), (1, h * w, c))
+    for i in range(self.depth):
+      y = nn.MultiHeadDotProductAttention(
+          num_heads=self.num_heads, kernel_init=nn.initializers.xavier_uniform(),
+          name=f"attention_{i}")(nn.LayerNorm()(x))
+      x = x + y
+      y = nn.gelu(nn.Dense(2 * c, name=f"mlp_in_{i}")(nn.LayerNorm()(x)))
+      x = x + nn.Dense(c, name=f"mlp_out_{i}")(y)
+    x = nn.LayerNorm(name="encoder_norm")(x)
+    head = nn.Dense(self.num_classes, kernel_init=nn.initializers.zeros, name="head")
+    self.sow("intermediates", "logits_2d", head(x.reshape(n, h, w, c)))
+    return head(x.mean(axis=1))
+
+
 # --------------------------------------------------------------------------
 # Data (local files only)
 
@@ -414,6 +448,16 @@ def resnet(quick, seed):
       QUICK_BATCH if quick else 64, seed, train_flag=True)
 
 
+def vit(quick, seed):
+  x, y, description = small_images(QUICK_IMAGES if quick else IMAGES)
+  return _problem(
+      "vit", "ViT in big_vision's layout (2x2 patches, width 32, 4 heads, "
+      "2 blocks, learned positions, mean pooling, zero-initialised head "
+      f"also applied to every patch); {description}, {len(x)} images.",
+      ViT(), kfac_optax.losses.softmax_cross_entropy(), operator.itemgetter(0),
+      (x, y), QUICK_BATCH if quick else 64, seed)
+
+
 def gpt(quick, seed):
   return _text_problem(
       "gpt_lm", "GPT-2-style LM from stock layers (width 32, 2 heads, "
@@ -425,7 +469,7 @@ PROBLEMS: dict[str, Callable[[bool, int], Problem]] = {
     "mlp": mlp, "cnn_bn_dropout": cnn_bn_dropout,
     "self_attention": self_attention, "transformer_lm": transformer,
     "lstm_lm": lstm, "autoencoder": autoencoder, "resnet": resnet,
-    "gpt_lm": gpt}
+    "gpt_lm": gpt, "vit": vit}
 
 
 def make_problem(name: str, *, quick: bool = False, seed: int = 0) -> Problem:

@@ -2,10 +2,11 @@
 
 A smoke test of the suite's machinery and of the K-FAC configurations; the
 full suite's verdict is in benchmarks/STABILITY.md. The quick run trains two
-of the eight models (compilation is most of its time); the other six train
+of the nine models (compilation is most of its time); six others train
 with K-FAC in other tests (self_attention and cnn_bn_dropout in
 test_adaptive, the LSTM in test_lstm_example, the transformer LM,
-autoencoder and BatchNorm ResNet in the benchmarks' quick modes), and every
+autoencoder and BatchNorm ResNet in the benchmarks' quick modes), the ViT
+only in the full suite (its head's unread call: test_reach), and every
 model is built here.
 """
 
