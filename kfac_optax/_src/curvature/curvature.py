@@ -268,11 +268,7 @@ class Curvature(options.CurvatureOptions):
     typed = {}
     captured = explicit_axes.in_model_axes(
         functools.partial(self._capture, plan), params, batch, variables, rng, typed)
-    kept = lambda per_path: {path: tuple(calls[i] for i in reached[path])
-                             if path in reached else calls
-                             for path, calls in per_path.items()}
-    captured = captured._replace(inputs=kept(captured.inputs),
-                                 output_grads=kept(captured.output_grads))
+    captured = reach.only_reached(captured, reached)
     terms = self.loss.terms(captured.outputs, batch)
     stats = {}
     for key, (path, block) in plan.layers.items():
@@ -383,11 +379,11 @@ class Curvature(options.CurvatureOptions):
     damping = jnp.asarray(damping, state.damping.dtype)
     placed = tile_placement.specs(plan, tree_paths.flatten(params)[0])
 
-    # Under `on_schedule`'s lax.cond, XLA:CPU would compile the capture's
-    # backward convolutions as plain loops (see `canonical_convolutions`).
     with explicit_axes.params_mesh(params):
       reached = reach.reached_calls(self.model, plan, params, batch,
                                     replicas.names(self.axis_name))
+    # Under `on_schedule`'s lax.cond, XLA:CPU would compile the capture's
+    # backward convolutions as plain loops (see `canonical_convolutions`).
     batch_statistics = canonical_convolutions.canonical_convolutions(
         functools.partial(self._batch_statistics, plan, reached,
                           state.factors.layout, placed))

@@ -68,6 +68,16 @@ def reached_calls(model: model_call.ModelCall, plan: plans.Plan, params: Any,
           for path, flags in calls.items() if any(flags)}
 
 
+def only_reached(captured: capture.Captured,
+                 reached: dict[tree_paths.Path, tuple[int, ...]]) -> capture.Captured:
+  """``captured`` without the layer calls that `reached_calls` leaves out."""
+  kept = lambda per_path: {path: tuple(calls[i] for i in reached[path])
+                           if path in reached else calls
+                           for path, calls in per_path.items()}
+  return captured._replace(inputs=kept(captured.inputs),
+                           output_grads=kept(captured.output_grads))
+
+
 def _unreached_leaves(model: model_call.ModelCall, plan: plans.Plan, params: Any,
                       batch: Any, axis_names: tuple[str, ...]
                       ) -> tuple[dict[str, bool], dict[tree_paths.Path, tuple[bool, ...]]]:
