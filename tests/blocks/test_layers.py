@@ -1035,6 +1035,36 @@ def test_layers_under_map_variables_use_the_diagonal_block():
                            {"batch_stats": batch_stats})
 
 
+class StandardizedConv(nn.Conv):
+  """big_vision's BiT ``StdConv``: its ``param`` returns the kernel
+  standardised over its input axes (weight standardisation)."""
+
+  def param(self, name, *args, **kwargs):
+    value = super().param(name, *args, **kwargs)
+    if name != "kernel":
+      return value
+    centred = value - value.mean(axis=(0, 1), keepdims=True)
+    return centred / jnp.sqrt(jnp.square(centred).mean(axis=(0, 1), keepdims=True) + 1e-8)
+
+
+class StandardizedConvNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = jnp.tanh(StandardizedConv(3, (2,), name="standardized")(x))
+    return nn.Dense(CLASSES, name="head")(h.mean(axis=1))
+
+
+def test_a_layer_whose_param_method_transforms_its_kernel_uses_the_diagonal_block():
+  """A conv whose own ``param`` standardises the kernel applies a function
+  of the stored params, as nn.map_variables does: diagonal fallback."""
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(BATCH, 4, 2)), jnp.float32)
+  model = StandardizedConvNet()
+  params = random_params(model, x, seed=2)
+  assert_diagonal_fallback(model, params, (x, labels(1)),
+                           {f"standardized/{leaf}": ("standardized", leaf)
+                            for leaf in ("kernel", "bias")})
+
+
 class SharedQueriesNet(nn.Module):
   """Learned queries (DETR, Perceiver): a Dense whose input has no example
   axis, its output added to every example's."""

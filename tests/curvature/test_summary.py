@@ -148,7 +148,8 @@ def test_init_warns_once_when_most_params_fall_back():
   with pytest.warns(kfac_optax.FallbackWarning, match=(
       r"98% of the parameters get only K-FAC's diagonal fallback: no layer block "
       r"captures them. Largest: '\(root\)' \(1,672\)\. Layers under "
-      r"nn.map_variables \(nn.WeightNorm, nn.SpectralNorm\) stay there by design, "
+      r"nn.map_variables \(nn.WeightNorm, nn.SpectralNorm\) or whose own `param` "
+      r"transforms their params \(a weight-standardised conv\) stay there by design, "
       r"and so do layers run through flax's bridges \(linen layers in "
       r"nnx.bridge.ToNNX, NNX ones in nnx.bridge.to_linen\); "
       r"if these are dense- or conv-like layers of your own, declare their module "

@@ -254,8 +254,9 @@ def warn_if_mostly_fallback(summary: Summary) -> None:
   warn(
       f"{share:.0%} of the parameters get only K-FAC's diagonal fallback: no "
       f"layer block captures them. Largest: {largest}. Layers under "
-      "nn.map_variables (nn.WeightNorm, nn.SpectralNorm) stay there by "
-      "design, and so do layers run through flax's bridges (linen layers "
+      "nn.map_variables (nn.WeightNorm, nn.SpectralNorm) or whose own "
+      "`param` transforms their params (a weight-standardised conv) stay "
+      "there by design, and so do layers run through flax's bridges (linen layers "
       "in nnx.bridge.ToNNX, NNX ones in nnx.bridge.to_linen); if these "
       "are dense- or conv-like layers of your own, declare "
       "their module class with kfac_optax.register_layer to give them "

@@ -194,10 +194,14 @@ def stand_in(module: nn.Module) -> Callable[..., Any] | None:
 
 
 def _params_as_stored(module: "nn.Module | nnx.Module") -> bool:
-  """False for a linen layer that sees its params through ``nn.map_variables``
-  (``nn.WeightNorm``, ``nn.SpectralNorm``): its input and output gradient
-  give the Fisher of the params as transformed, W / σ(W) say, not of the
-  params that are stored and updated."""
+  """False for a linen layer that sees its params transformed: through
+  ``nn.map_variables`` (``nn.WeightNorm``, ``nn.SpectralNorm``) or its own
+  ``param`` (big_vision's weight-standardised ``StdConv``, an ``nn.Conv``
+  whose ``param`` returns the kernel standardised). Its input and output
+  gradient give the Fisher of the params as transformed, W / σ(W) say, not
+  of the params that are stored and updated."""
+  if getattr(type(module), "param", nn.Module.param) is not nn.Module.param:
+    return False
   steps = getattr(getattr(module, "scope", None), "debug_path", ())
   return not any(str(step).startswith("map_variables(") for step in steps)
 
