@@ -1065,6 +1065,54 @@ def test_a_layer_whose_param_method_transforms_its_kernel_uses_the_diagonal_bloc
                             for leaf in ("kernel", "bias")})
 
 
+class ScaledDense(nn.Dense):
+  """A subclass with its own ``__call__`` around ``super().__call__``."""
+
+  @nn.compact
+  def __call__(self, x):
+    gain = self.param("gain", nn.initializers.constant(3.0), (self.features,))
+    return super().__call__(x) * gain
+
+
+class OwnKernelDense(nn.Dense):
+  """A subclass whose ``__call__`` never calls the Dense it inherits."""
+
+  @nn.compact
+  def __call__(self, x):
+    return x @ self.param("kernel", nn.initializers.lecun_normal(),
+                          (x.shape[-1], self.features))
+
+
+class SubclassedNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return ScaledDense(CLASSES, name="head")(
+        jnp.tanh(OwnKernelDense(4, name="own")(x)))
+
+
+def test_a_subclass_with_its_own_call_is_the_layer_inside_it():
+  """The head's block is its inner Dense call's: ``A`` the mean of its
+  ``[h, 1][h, 1]ᵀ``, ``G`` the mean of ``(gain ⊙ (p - e_y))(...)ᵀ`` (the
+  gradient at the inner output, empirical); the gain and a subclass that
+  never calls its Dense go to the diagonal fallback."""
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(BATCH, 5)), jnp.float32)
+  y = labels(1)
+  model = SubclassedNet()
+  params = random_params(model, x, seed=2)
+  _, state = kfac_step(model.apply, params, (x, y), random_tree(params, seed=3))
+  assert set(state.factors) == {"head", DIAGONAL}
+  assert set(state.factors[DIAGONAL]) == {"own/kernel", "head/gain"}
+  p = jax.tree.map(f64, params)
+  h = np.tanh(f64(x) @ p["own"]["kernel"])
+  logits = (h @ p["head"]["kernel"] + p["head"]["bias"]) * p["head"]["gain"]
+  probs = np.exp(logits - logits.max(1, keepdims=True))
+  probs /= probs.sum(1, keepdims=True)
+  g = p["head"]["gain"] * (probs - np.eye(CLASSES)[np.asarray(y)])
+  a_bar = np.concatenate([h, np.ones((BATCH, 1))], 1)
+  for got, want in zip(state.factors["head"], (a_bar.T @ a_bar / BATCH, g.T @ g / BATCH)):
+    assert bf.relative_error(got[0], want) < 1e-5
+
+
 class SharedQueriesNet(nn.Module):
   """Learned queries (DETR, Perceiver): a Dense whose input has no example
   axis, its output added to every example's."""

@@ -71,6 +71,11 @@ class _Interceptor:
     kind = registry.kind_of(module)
     if self.busy or kind is None or method not in (capture.CALL, *kind.extra_methods):
       return next_fun(*args, **kwargs)
+    # A subclass's own __call__ is its code; the registered class's call
+    # inside it (super().__call__) is the layer.
+    if (method == capture.CALL and registry.overrides_call(module)
+        and module not in self.callers[:-1]):
+      return next_fun(*args, **kwargs)
     owner = self._owner(module)
     config = (registry.configured(kind, module, args, kwargs)
               if method == capture.CALL else module)

@@ -206,6 +206,15 @@ def _params_as_stored(module: "nn.Module | nnx.Module") -> bool:
   return not any(str(step).startswith("map_variables(") for step in steps)
 
 
+def overrides_call(module: "nn.Module | nnx.Module") -> bool:
+  """Whether the module's class has a ``__call__`` of its own below the
+  registered class it takes its kind from (``class ScaledDense(nn.Dense)``
+  whose ``__call__`` scales ``super().__call__(x)``): only that inner call
+  is the layer the kind describes."""
+  registered = next((cls for cls in type(module).__mro__ if cls in _REGISTRY), None)
+  return registered is not None and type(module).__call__ is not registered.__call__
+
+
 def kind_of(module: "nn.Module | nnx.Module") -> kinds.Kind | None:
   """The layer kind of a flax module instance, or None if it is not captured
   (for a kind with `Kind.call_settings`, `configured` decides call by call)."""
