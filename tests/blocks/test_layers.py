@@ -1113,6 +1113,56 @@ def test_a_subclass_with_its_own_call_is_the_layer_inside_it():
     assert bf.relative_error(got[0], want) < 1e-5
 
 
+class NNXScaledLinear(nnx.Linear):
+  """`ScaledDense` in NNX."""
+
+  def __init__(self, *args, rngs, **kwargs):
+    super().__init__(*args, rngs=rngs, **kwargs)
+    self.gain = nnx.Param(jnp.full((self.out_features,), 3.0))
+
+  def __call__(self, x):
+    return super().__call__(x) * self.gain[...]
+
+
+class NNXOwnKernelLinear(nnx.Linear):
+  """`OwnKernelDense` in NNX: a standardised kernel, never the inherited call."""
+
+  def __call__(self, x):
+    kernel = self.kernel[...]
+    return x @ ((kernel - kernel.mean(0)) / jnp.sqrt(kernel.var(0) + 1e-8))
+
+
+class NNXSubclassedNet(nnx.Module):
+
+  def __init__(self, rngs):
+    self.own = NNXOwnKernelLinear(5, 4, use_bias=False, rngs=rngs)
+    self.head = NNXScaledLinear(4, CLASSES, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(jnp.tanh(self.own(x)))
+
+
+def test_an_nnx_subclass_with_its_own_call_is_the_layer_inside_it():
+  """As `test_a_subclass_with_its_own_call_is_the_layer_inside_it`, in NNX."""
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(BATCH, 5)), jnp.float32)
+  y = labels(1)
+  model = NNXSubclassedNet(nnx.Rngs(2))
+  params = nnx.state(model, nnx.Param)
+  _, state = kfac_step(model, params, (x, y), random_tree(params, seed=3))
+  assert set(state.factors) == {"head", DIAGONAL}
+  assert set(state.factors[DIAGONAL]) == {"own/kernel", "head/gain"}
+  kernel = f64(model.own.kernel[...])
+  h = np.tanh(f64(x) @ ((kernel - kernel.mean(0)) / np.sqrt(kernel.var(0) + 1e-8)))
+  gain = f64(model.head.gain[...])
+  logits = (h @ f64(model.head.kernel[...]) + f64(model.head.bias[...])) * gain
+  probs = np.exp(logits - logits.max(1, keepdims=True))
+  probs /= probs.sum(1, keepdims=True)
+  g = gain * (probs - np.eye(CLASSES)[np.asarray(y)])
+  a_bar = np.concatenate([h, np.ones((BATCH, 1))], 1)
+  for got, want in zip(state.factors["head"], (a_bar.T @ a_bar / BATCH, g.T @ g / BATCH)):
+    assert bf.relative_error(got[0], want) < 1e-5
+
+
 class SharedQueriesNet(nn.Module):
   """Learned queries (DETR, Perceiver): a Dense whose input has no example
   axis, its output added to every example's."""

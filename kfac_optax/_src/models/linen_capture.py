@@ -73,7 +73,7 @@ class _Interceptor:
       return next_fun(*args, **kwargs)
     # A subclass's own __call__ is its code; the registered class's call
     # inside it (super().__call__) is the layer.
-    if (method == capture.CALL and registry.overrides_call(module)
+    if (method == capture.CALL and registry.overrides_call(type(module))
         and not any(caller is module for caller in self.callers[:-1])):
       return next_fun(*args, **kwargs)
     owner = self._owner(module)

@@ -20,7 +20,9 @@ On that copy, each captured layer (`registry.kind_of`) gets its class swapped
 for a cached subclass whose ``__call__`` (and the kind's other methods, e.g.
 ``nnx.Embed.attend``) records the layer input and adds the zero perturbation
 to the output, so that the gradient with respect to the perturbation is the
-gradient with respect to the layer output. The swap is undone on every exit.
+gradient with respect to the layer output (for a subclass with its own
+``__call__``, the registered class's call inside it). The swap is undone on
+every exit.
 Layers are keyed by their NNX attribute path joined by "/"
 (``"blocks/0/attn/query"``); a module reachable at several paths (shared
 weights) is one layer at its first path, its calls several calls.
@@ -179,9 +181,18 @@ def _hooked_class(cls: type, kind: kinds.Kind) -> type:
   """
   if cls not in _HOOKED:
     methods = (capture.CALL, *kind.extra_methods)
+    bases = (cls,)
+    if registry.overrides_call(cls):
+      # The class's own __call__ runs as written; the registered class's,
+      # which it reaches through super().__call__, is the layer: a hooked
+      # copy of that class comes after it in the MRO.
+      registered = registry.registered_class(cls)
+      bases += (type(cls)(registered.__name__, (registered,), {
+          capture.CALL: _hook(capture.CALL, registered.__call__)}),)
+      methods = kind.extra_methods
     namespace = {m: _hook(m, getattr(cls, m)) for m in methods}
     namespace.update(__qualname__=cls.__qualname__, __module__=cls.__module__)
-    _HOOKED[cls] = type(cls)(cls.__name__, (cls,), namespace)
+    _HOOKED[cls] = type(cls)(cls.__name__, bases, namespace)
   return _HOOKED[cls]
 
 

@@ -206,13 +206,18 @@ def _params_as_stored(module: "nn.Module | nnx.Module") -> bool:
   return not any(str(step).startswith("map_variables(") for step in steps)
 
 
-def overrides_call(module: "nn.Module | nnx.Module") -> bool:
-  """Whether the module's class has a ``__call__`` of its own below the
-  registered class it takes its kind from (``class ScaledDense(nn.Dense)``
-  whose ``__call__`` scales ``super().__call__(x)``): only that inner call
-  is the layer the kind describes."""
-  registered = next((cls for cls in type(module).__mro__ if cls in _REGISTRY), None)
-  return registered is not None and type(module).__call__ is not registered.__call__
+def registered_class(cls: type) -> type | None:
+  """The class along ``cls``'s MRO that gives it its kind (None: none)."""
+  return next((base for base in cls.__mro__ if base in _REGISTRY), None)
+
+
+def overrides_call(cls: type) -> bool:
+  """Whether ``cls`` has a ``__call__`` of its own below the registered class
+  it takes its kind from (``class ScaledDense(nn.Dense)`` whose ``__call__``
+  scales ``super().__call__(x)``): only that inner call is the layer the
+  kind describes."""
+  registered = registered_class(cls)
+  return registered is not None and cls.__call__ is not registered.__call__
 
 
 def kind_of(module: "nn.Module | nnx.Module") -> kinds.Kind | None:
