@@ -223,12 +223,12 @@ def overrides_call(cls: type) -> bool:
 def kind_of(module: "nn.Module | nnx.Module") -> kinds.Kind | None:
   """The layer kind of a flax module instance, or None if it is not captured
   (for a kind with `Kind.call_settings`, `configured` decides call by call)."""
-  for cls in type(module).__mro__:
-    if cls in _REGISTRY:
-      kind = _REGISTRY[cls]
-      expressed = kind.call_settings is not None or kind.captures(module)
-      return kind if expressed and _params_as_stored(module) else None
-  return None
+  registered = registered_class(type(module))
+  if registered is None:
+    return None
+  kind = _REGISTRY[registered]
+  expressed = kind.call_settings is not None or kind.captures(module)
+  return kind if expressed and _params_as_stored(module) else None
 
 
 class _Configured:
