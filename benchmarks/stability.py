@@ -21,7 +21,7 @@ contender stops at its first non-finite loss.
 
 From the repository root::
 
-  python benchmarks/stability.py                  # full suite (~10 min on 2 cores)
+  python benchmarks/stability.py                  # full suite (~13 min on 2 cores)
   python benchmarks/stability.py --quick          # smoke test, one seed (~1 min)
   python benchmarks/stability.py --models self_attention --configs kfac_auto --steps 100
 

@@ -1090,6 +1090,18 @@ class SubclassedNet(nn.Module):
         jnp.tanh(OwnKernelDense(4, name="own")(x)))
 
 
+def scaled_head_factors(h, kernel, bias, gain, y):
+  """The empirical ``(A, G)`` of the Dense inside a gained head,
+  ``logits = (h W + b) ⊙ gain``: ``A`` the mean of ``[h, 1][h, 1]ᵀ``, ``G``
+  the mean of ``g gᵀ`` with ``g = gain ⊙ (softmax(logits) - e_y)``."""
+  logits = (h @ kernel + bias) * gain
+  probs = np.exp(logits - logits.max(1, keepdims=True))
+  probs /= probs.sum(1, keepdims=True)
+  g = gain * (probs - np.eye(CLASSES)[np.asarray(y)])
+  a_bar = np.concatenate([h, np.ones((len(h), 1))], 1)
+  return a_bar.T @ a_bar / len(h), g.T @ g / len(h)
+
+
 def test_a_subclass_with_its_own_call_is_the_layer_inside_it():
   """The head's block is its inner Dense call's: ``A`` the mean of its
   ``[h, 1][h, 1]ᵀ``, ``G`` the mean of ``(gain ⊙ (p - e_y))(...)ᵀ`` (the
@@ -1104,13 +1116,10 @@ def test_a_subclass_with_its_own_call_is_the_layer_inside_it():
   assert set(state.factors[DIAGONAL]) == {"own/kernel", "head/gain"}
   p = jax.tree.map(f64, params)
   h = np.tanh(f64(x) @ p["own"]["kernel"])
-  logits = (h @ p["head"]["kernel"] + p["head"]["bias"]) * p["head"]["gain"]
-  probs = np.exp(logits - logits.max(1, keepdims=True))
-  probs /= probs.sum(1, keepdims=True)
-  g = p["head"]["gain"] * (probs - np.eye(CLASSES)[np.asarray(y)])
-  a_bar = np.concatenate([h, np.ones((BATCH, 1))], 1)
-  for got, want in zip(state.factors["head"], (a_bar.T @ a_bar / BATCH, g.T @ g / BATCH)):
-    assert bf.relative_error(got[0], want) < 1e-5
+  want = scaled_head_factors(h, p["head"]["kernel"], p["head"]["bias"],
+                             p["head"]["gain"], y)
+  for got, expected in zip(state.factors["head"], want):
+    assert bf.relative_error(got[0], expected) < 1e-5
 
 
 class NNXScaledLinear(nnx.Linear):
@@ -1153,14 +1162,10 @@ def test_an_nnx_subclass_with_its_own_call_is_the_layer_inside_it():
   assert set(state.factors[DIAGONAL]) == {"own/kernel", "head/gain"}
   kernel = f64(model.own.kernel[...])
   h = np.tanh(f64(x) @ ((kernel - kernel.mean(0)) / np.sqrt(kernel.var(0) + 1e-8)))
-  gain = f64(model.head.gain[...])
-  logits = (h @ f64(model.head.kernel[...]) + f64(model.head.bias[...])) * gain
-  probs = np.exp(logits - logits.max(1, keepdims=True))
-  probs /= probs.sum(1, keepdims=True)
-  g = gain * (probs - np.eye(CLASSES)[np.asarray(y)])
-  a_bar = np.concatenate([h, np.ones((BATCH, 1))], 1)
-  for got, want in zip(state.factors["head"], (a_bar.T @ a_bar / BATCH, g.T @ g / BATCH)):
-    assert bf.relative_error(got[0], want) < 1e-5
+  want = scaled_head_factors(h, f64(model.head.kernel[...]), f64(model.head.bias[...]),
+                             f64(model.head.gain[...]), y)
+  for got, expected in zip(state.factors["head"], want):
+    assert bf.relative_error(got[0], expected) < 1e-5
 
 
 class SharedQueriesNet(nn.Module):
