@@ -40,6 +40,33 @@ def test_remat_and_scan_are_reached():
   assert reach.unreached(fn, 1.0, 2.0) == [False, False]
 
 
+def test_the_walk_reads_loop_bodies_to_a_fixed_point_and_every_branch():
+  def scanned(a, b, c, d):
+    def body(carry, x):
+      u, v, w, z = carry
+      return (u + v * x, w, c, z * b), None  # c reaches u two steps later
+    return jax.lax.scan(body, (a, 0.0, 0.0, 1.0), jnp.arange(1.0, 4.0))[0][0]
+
+  def looped(a, b, c, d):  # d only decides when the loop stops
+    return jax.lax.while_loop(lambda s: s[0] < d, lambda s: (s[0] + s[1], c),
+                              (a, b))[0]
+
+  def branched(p, a, b):
+    return jax.lax.cond(p > 0, lambda x, y: x, lambda x, y: 2.0 * x, a, b)
+
+  assert reach.unreached(scanned, *[0.5] * 4) == [False, True, False, True]
+  assert reach.unreached(looped, 0.5, 1.0, 2.0, 4.0) == [False, False, False, True]
+  assert reach.unreached(branched, 1.0, 0.5, 0.5) == [True, False, True]
+  # The derivatives agree: zero exactly where the walk says unreached.
+  assert [float(g) != 0.0 for g in jax.grad(scanned, (0, 1, 2, 3))(*[0.5] * 4)] == [
+      True, False, True, False]
+  tangents = [jax.jvp(looped, (0.5, 1.0, 2.0, 4.0), tuple(
+      float(i == j) for j in range(4)))[1] for i in range(4)]
+  assert [float(t) != 0.0 for t in tangents] == [True, True, True, False]
+  assert [float(g) != 0.0 for g in jax.grad(branched, (1, 2))(1.0, 0.5, 0.5)] == [
+      True, False]
+
+
 class ActorCritic(nn.Module):
   """Flax's PPO example's shape: a shared trunk, a policy and a value head."""
 
@@ -173,3 +200,83 @@ def test_a_call_that_does_not_reach_the_loss_is_left_out_of_the_statistics():
                                rtol=1e-5, atol=1e-7)
   for got, expected in zip(jax.tree.leaves(both), jax.tree.leaves(pooled_only)):
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-8)
+
+
+class TiedAutoencoder(nn.Module):
+  """A decoder tied to the encoder's kernel, read outside the encoder's call."""
+
+  @nn.compact
+  def __call__(self, x):
+    encoder = nn.Dense(3, name="enc")
+    h = nn.sigmoid(encoder(x))
+    bias = self.param("decoder_bias", nn.initializers.zeros, (x.shape[-1],))
+    return h @ encoder.variables["params"]["kernel"].T + bias
+
+
+class ReadIntoAnotherLayer(nn.Module):
+  """A kernel read raw whose product feeds another captured layer."""
+
+  @nn.compact
+  def __call__(self, x):
+    encoder = nn.Dense(5, name="enc")
+    mixed = jnp.tanh(encoder(x)) @ encoder.variables["params"]["kernel"]
+    return nn.Dense(3, name="head")(mixed)
+
+
+class ReadsItsOwnKernel(nn.Module):
+  @nn.compact
+  def __call__(self, h, _):
+    dense = nn.Dense(5, name="dense")
+    return jnp.tanh(dense(h) + h @ dense.variables["params"]["kernel"]), None
+
+
+class ScannedRawRead(nn.Module):
+  """The raw read inside an nn.scan body, over stacked layers."""
+
+  @nn.compact
+  def __call__(self, x):
+    h, _ = nn.scan(ReadsItsOwnKernel, variable_axes={
+        "params": 0, "kfac_inputs": 0, "kfac_perturbations": 0},
+                   split_rngs={"params": True}, length=2)(name="stack")(x, None)
+    return nn.Dense(3, name="head")(h)
+
+
+AUTOENCODER_LOSS = kfac_optax.losses.squared_error(targets=lambda batch: batch[0])
+
+
+@pytest.mark.parametrize("model, loss, read", [
+    (TiedAutoencoder(), AUTOENCODER_LOSS, "enc"),
+    (ReadIntoAnotherLayer(), LOSS, "enc"),
+    (ScannedRawRead(), LOSS, "stack/dense"),
+], ids=["tied decoder", "into another layer", "inside nn.scan"])
+def test_a_kernel_also_read_outside_its_layer_is_refused_naming_the_fix(
+    model, loss, read):
+  """The block would model the gradient through the layer's calls only;
+  the exact diagonal (the fix the error names) is accepted."""
+  params = model.init(jax.random.key(2), X)["params"]
+  with pytest.raises(ValueError, match="outside the calls of its layer") as error:
+    kfac_optax.kfac(model.apply, loss, example_batch=BATCH,
+                    learning_rate=1e-2).init(params)
+  message = str(error.value)
+  assert f"reads '{read}/kernel' outside" in message and "bias'" not in message
+  assert f"layer_overrides={{'{read}': 'diagonal'}}" in message
+  kfac_optax.kfac(model.apply, loss, example_batch=BATCH, learning_rate=1e-2,
+                  layer_overrides={read: "diagonal"}).init(params)
+
+
+class NNXTiedAutoencoder(nnx.Module):
+
+  def __init__(self, rngs):
+    self.enc = nnx.Linear(5, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return nnx.sigmoid(self.enc(x)) @ self.enc.kernel[...].T
+
+
+def test_an_nnx_kernel_read_outside_its_layer_is_refused():
+  model = NNXTiedAutoencoder(nnx.Rngs(0))
+  params = nnx.state(model, nnx.Param)
+  with pytest.raises(ValueError, match=r"reads 'enc/kernel' outside"):
+    kfac_optax.kfac(model, AUTOENCODER_LOSS, example_batch=BATCH,
+                    learning_rate=1e-2).init(params)
+

@@ -424,16 +424,17 @@ def make(model: model_call.ModelCall, loss: losses.PredictiveLoss,
 
 def hooked_model(model: model_call.ModelCall, plan: Plan, params: Any, batch: Any,
                  variables: dict, model_key: jax.Array | None, mutable: Any) -> Any:
-  """``(fallback leaves, perturbations) -> (loss outputs, kfac_inputs)``: the
-  model on ``batch`` under the capture's hooks, with the diagonal fallback's
-  leaves and the layers' output perturbations as its inputs."""
+  """``(fallback leaves, perturbations[, layer leaves]) -> (loss outputs,
+  kfac_inputs)``: the model on ``batch`` under the capture's hooks, with the
+  diagonal fallback's leaves (by key), the layers' output perturbations and
+  optionally any other params leaves (by path) as its inputs."""
   flat_params, treedef = tree_paths.flatten(params)
   run = front_end.hooked_apply(model.apply_fn, model.args(batch),
                                model.call_kwargs(model_key), mutable)
 
-  def hooked(fallback_leaves, perturbations):
+  def hooked(fallback_leaves, perturbations, layer_leaves=None):
     paths = {plan.fallback_paths[k]: leaf for k, leaf in fallback_leaves.items()}
-    full = tree_paths.rebuild(treedef, {**flat_params, **paths})
+    full = tree_paths.rebuild(treedef, {**flat_params, **paths, **(layer_leaves or {})})
     outputs, collections = run(
         {"params": full, **variables, capture.PERTURBATIONS: perturbations})
     # No captured layer (every param in the fallback): no kfac_inputs.

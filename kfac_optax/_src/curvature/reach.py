@@ -11,14 +11,26 @@ loss K-FAC models measures. `check` refuses such layers and params at
 a layer that reaches them through some of its calls only has the others
 left out of its statistics (`reached_calls`).
 
-The walk is conservative: a primitive's outputs depend on all of its
-inputs, except ``stop_gradient`` (no derivative passes) and the calls whose
-inner jaxpr is read the same way (``pjit``, ``remat``). A custom derivative
-rule may route gradients anywhere, so custom_jvp/custom_vjp calls count as
-depending on every input; control flow (scan, while, cond) too. An input
-reported unreached therefore truly sends no derivative to the outputs.
+A layer's block models its params' gradient as the sum over its calls of
+``∂(output)/∂(params)ᵀ · ∂ℓ/∂(output)``. A param the model also reads
+outside the layer's calls (a tied decoder's ``h @ enc.kernel.T``) has
+gradient terms the block never sees; `check` refuses those too. The same
+walk finds them: the trace marks where each call's output leaves the layer
+(`capture.marking_calls`), and a layer's params that still reach the loss
+with the path through its own marked calls cut are read elsewhere.
+
+The walk follows differentiable dependence: a primitive's outputs depend on
+all of its inputs, except ``stop_gradient`` (no derivative passes), the
+calls whose inner jaxpr is read the same way (``pjit``, ``remat``), and
+control flow, whose bodies are read to a fixed point (``scan``, ``while``:
+a carry is needed while any later iteration needs it; ``cond``: any branch).
+A custom derivative rule may route gradients anywhere, so custom_jvp and
+custom_vjp calls count as depending on every input. An input reported
+unreached therefore truly sends no derivative to the outputs.
 """
 
+import functools
+import operator
 from typing import Any, Callable
 
 import flax
@@ -44,12 +56,15 @@ def check(model: model_call.ModelCall, plan: plans.Plan, params: Any,
   Raises:
     ValueError: naming the layers and params that do not, and the fix.
   """
-  fallback, calls = _unreached_leaves(model, plan, params, batch, axis_names)
+  fallback, calls, read_elsewhere = _unreached_leaves(
+      model, plan, params, batch, axis_names, own_params=True)
   layers = [key for key, (path, _) in plan.layers.items()
             if path in calls and all(calls[path])]
   leaves = [key for key, unused in fallback.items() if unused]
   if layers or leaves:
     raise ValueError(unreached_message(layers, leaves))
+  if read_elsewhere:
+    raise ValueError(read_elsewhere_message(read_elsewhere))
 
 
 def reached_calls(model: model_call.ModelCall, plan: plans.Plan, params: Any,
@@ -63,7 +78,7 @@ def reached_calls(model: model_call.ModelCall, plan: plans.Plan, params: Any,
   which it returns beside them) adds nothing to the layer's Fisher block,
   but its inputs would count as rows of ``A`` (49 of every 50 rows of that
   head's): its statistics must leave it out."""
-  _, calls = _unreached_leaves(model, plan, params, batch, axis_names)
+  _, calls, _ = _unreached_leaves(model, plan, params, batch, axis_names)
   return {path: tuple(i for i, unused in enumerate(flags) if not unused)
           for path, flags in calls.items() if any(flags)}
 
@@ -79,10 +94,24 @@ def only_reached(captured: capture.Captured,
 
 
 def _unreached_leaves(model: model_call.ModelCall, plan: plans.Plan, params: Any,
-                      batch: Any, axis_names: tuple[str, ...]
-                      ) -> tuple[dict[str, bool], dict[tree_paths.Path, tuple[bool, ...]]]:
-  """``(fallback leaf key -> unreached, layer path -> per call: unreached)``,
-  from one abstract trace of the hooked model on ``batch``."""
+                      batch: Any, axis_names: tuple[str, ...], own_params: bool = False
+                      ) -> tuple[dict[str, bool], dict[tree_paths.Path, tuple[bool, ...]],
+                                 list[tree_paths.Path]]:
+  """``(fallback leaf key -> unreached, layer path -> per call: unreached,
+  layer params leaves read outside their layer's calls)`` from one abstract
+  trace of the hooked model on ``batch`` (the last only with ``own_params``).
+
+  One walk carries a bit per question: bit 0 asks what reaches the loss;
+  layer ``i``'s bit ``2**(i + 1)`` is dropped where the layer's own marked
+  calls pass their outputs on, so its params keep it only through other reads.
+  """
+  bits = {path: 2 << i for i, (path, _) in enumerate(plan.layers.values())}
+  ends = {capture.marker_name(path): bit for path, bit in bits.items()}
+  for table, calls in plan.tied.items():  # the table's block owns these calls
+    for call in calls:
+      ends[capture.marker_name(call)] = ends.get(capture.marker_name(call), 0) | bits[table]
+  for call in plan.unowned:  # calls on weights the model computes: warned of
+    ends[capture.marker_name(call)] = ~1
   found = []
 
   def trace(params, batch, variables, _):
@@ -90,14 +119,21 @@ def _unreached_leaves(model: model_call.ModelCall, plan: plans.Plan, params: Any
                                 flax.core.DenyList("params"))
     flat_params = tree_paths.flatten(params)[0]
     fallback = {k: flat_params[path] for k, path in plan.fallback_paths.items()}
-    flags = unreached(lambda *args: hooked(*args)[0], fallback, plan.perturbations)
-    found.append(jax.tree.unflatten(
-        jax.tree.structure((fallback, plan.perturbations)), flags))
+    owned = {path + (name,): flat_params[path + (name,)]
+             for path, block in plan.layers.values()
+             for name in block.param_names} if own_params else {}
+    args = (fallback, plan.perturbations, owned)
+    with capture.marking_calls():
+      jaxpr = jax.make_jaxpr(lambda *args: hooked(*args)[0])(*args).jaxpr
+    needs = _needs(jaxpr, [-1] * len(jaxpr.outvars), ends)
+    found.append(jax.tree.unflatten(jax.tree.structure(args), needs))
   plans.abstractly(trace, params, batch, {}, axis_names)
-  fallback, perturbations = found[0]
-  calls = {path: tuple(all(jax.tree.leaves(call)) for call in per_call)
+  fallback, perturbations, owned = found[0]
+  calls = {path: tuple(not any(need & 1 for need in jax.tree.leaves(call))
+                       for call in per_call)
            for path, per_call in capture.by_layer(perturbations).items()}
-  return fallback, calls
+  read_elsewhere = [leaf for leaf, need in owned.items() if need & bits[leaf[:-1]]]
+  return ({k: not need & 1 for k, need in fallback.items()}, calls, read_elsewhere)
 
 
 def unreached(fn: Callable[..., Any], *args: Any) -> list[bool]:
@@ -107,8 +143,8 @@ def unreached(fn: Callable[..., Any], *args: Any) -> list[bool]:
   ``args`` may be arrays or ``jax.ShapeDtypeStruct`` (the trace runs no
   FLOPs).
   """
-  # One walk backwards from the outputs marks every input they need.
-  return [not reaches for reaches in _reaching_inputs(jax.make_jaxpr(fn)(*args).jaxpr)]
+  jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+  return [not need for need in _needs(jaxpr, [1] * len(jaxpr.outvars), {})]
 
 
 def _is_var(atom: Any) -> bool:
@@ -125,27 +161,58 @@ def _inner(eqn: Any) -> Any:
   return inner
 
 
-def _reaching_inputs(jaxpr: Any) -> list[bool]:
-  """For each invar of ``jaxpr``: whether some outvar depends on it."""
-  needed = {v for v in jaxpr.outvars if _is_var(v)}
+def _needs(jaxpr: Any, out_needs: list[int], ends: dict[str, int]) -> list[int]:
+  """For each invar of ``jaxpr``: the union of the bits of ``out_needs`` (one
+  int per outvar) of the outvars that depend on it. A marked call named in
+  ``ends`` passes its output's bits on without the ones it names."""
+  need = {}
+
+  def pull(atoms, needs):
+    for atom, bits in zip(atoms, needs):
+      if bits and _is_var(atom):
+        need[atom] = need.get(atom, 0) | bits
+  pull(jaxpr.outvars, out_needs)
   for eqn in reversed(jaxpr.eqns):
-    wanted = [v in needed for v in eqn.outvars]
-    if not any(wanted) or eqn.primitive.name == "stop_gradient":
-      continue
-    inner = _inner(eqn)
-    if inner is not None:
-      # Only the inner outputs that are needed here pull on its inputs.
-      sub = _restricted(inner, wanted)
-      reached = _reaching_inputs(sub)
-    else:
-      reached = [True] * len(eqn.invars)
-    needed.update(v for v, r in zip(eqn.invars, reached) if r and _is_var(v))
-  return [v in needed for v in jaxpr.invars]
+    needs = [need.get(v, 0) for v in eqn.outvars]
+    if any(needs) and eqn.primitive.name != "stop_gradient":
+      pull(eqn.invars, _eqn_needs(eqn, needs, ends))
+  return [need.get(v, 0) for v in jaxpr.invars]
 
 
-def _restricted(jaxpr: Any, wanted: list[bool]) -> Any:
-  """``jaxpr`` with only the outvars in ``wanted``."""
-  return jaxpr.replace(outvars=[v for v, w in zip(jaxpr.outvars, wanted) if w])
+def _eqn_needs(eqn: Any, needs: list[int], ends: dict[str, int]) -> list[int]:
+  """`_needs` of one equation's inputs, given its outputs'."""
+  inner = _inner(eqn)
+  if inner is not None:
+    if eqn.params.get("name") in ends:  # output + perturbation, one output
+      return [needs[0] & ~ends[eqn.params["name"]], needs[0]]
+    return _needs(inner, needs, ends)
+  params = eqn.params
+  if eqn.primitive.name == "scan":
+    return _loop_needs(params["jaxpr"].jaxpr, params["num_consts"],
+                       params["num_carry"], needs, ends)
+  if eqn.primitive.name == "while":  # the predicate passes no derivative
+    return [0] * params["cond_nconsts"] + _loop_needs(
+        params["body_jaxpr"].jaxpr, params["body_nconsts"], len(needs), needs, ends)
+  if eqn.primitive.name == "cond":  # the branch index passes no derivative
+    branches = [_needs(branch.jaxpr, needs, ends) for branch in params["branches"]]
+    return [0] + [functools.reduce(operator.or_, column) for column in zip(*branches)]
+  return [functools.reduce(operator.or_, needs)] * len(eqn.invars)
+
+
+def _loop_needs(body: Any, num_consts: int, num_carry: int, needs: list[int],
+                ends: dict[str, int]) -> list[int]:
+  """The needs of a loop's ``(consts, carry, xs)`` whose body maps ``(consts,
+  carry, x) -> (carry, y)`` and whose outputs ``(carry, ys)`` have ``needs``:
+  a carry's need grows with what the next iteration's carry input needs,
+  to a fixed point (the union over iterations; the initial carry's
+  includes the outputs' own, for a loop of no iterations)."""
+  carry, ys = list(needs[:num_carry]), list(needs[num_carry:])
+  while True:
+    inner = _needs(body, carry + ys, ends)
+    grown = [c | i for c, i in zip(carry, inner[num_consts:num_consts + num_carry])]
+    if grown == carry:
+      return inner[:num_consts] + carry + inner[num_consts + num_carry:]
+    carry = grown
 
 
 def unreached_message(layers: list[str], leaves: list[str]) -> str:
@@ -171,3 +238,24 @@ def unreached_message(layers: list[str], leaves: list[str]) -> str:
       "losses.joint(policy_loss, value_loss, weights=(1.0, c)) with outputs= "
       "returning the tuple of the heads' outputs; or, if `outputs=` picks the "
       "wrong part of what the model returns, pick the array your loss reads.")
+
+
+def read_elsewhere_message(leaves: list[tree_paths.Path]) -> str:
+  """init's error for layer params the model also reads outside the layer's
+  calls."""
+  modules = sorted({tree_paths.key(leaf[:-1]) for leaf in leaves})
+  named = ", ".join(repr(tree_paths.key(leaf)) for leaf in leaves[:6])
+  diagonal = {module: "diagonal" for module in modules[:4]}
+  more = f" and {len(modules) - 4} more" if len(modules) > 4 else ""
+  return (
+      f"the model reads {named}{' ...' if len(leaves) > 6 else ''} outside "
+      "the calls of its layer (e.g. a tied decoder's `h @ "
+      "enc.variables['params']['kernel'].T`, or the array passed to another "
+      "function): K-FAC's Kronecker block for a layer models its params' "
+      "gradient through the layer's own calls only, so its curvature would "
+      "leave out the rest of their gradient.\nFix: give these params the "
+      f"exact diagonal Fisher, layer_overrides={diagonal!r}{more}; or reuse "
+      "the layer by calling it (a shared module keeps every call); or, for an "
+      "embedding table that also gives the logits, call its `attend` "
+      "(nn.Embed) or apply a Dense on its transpose and name that call in "
+      "tied_embeddings={call: table}.")

@@ -13,6 +13,10 @@ A layer kind may name other methods to capture the same way (``nn.Embed``'s
 ``attend``, the output projection of tied embeddings); their entries carry
 the method name (``kfac_in_attend``, ``kfac_attend_out_0``).
 
+While `marking_calls` is on (the reach walk's trace), the perturbation is
+added by a call named after the layer (`perturbed`), so that a walk of the
+jaxpr can tell the layer's output from any other use of its params.
+
 Both travel as flax collections (for NNX, Variables of the layers), never
 Python lists, so they follow the module through lifted transforms the way
 any other variable does. Everything after capture is shared: `Discovered`
@@ -21,8 +25,11 @@ any other variable does. Everything after capture is shared: `Discovered`
 or inverses.
 """
 
+import contextlib
+import contextvars
+import functools
 import re
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 from flax import traverse_util
@@ -54,6 +61,47 @@ def input_name(method: str) -> str:
 def output_name(method: str, call: int) -> str:
   """The ``kfac_perturbations`` variable of one call of a method."""
   return f"kfac_out_{call}" if method == CALL else f"kfac_{method}_out_{call}"
+
+
+_MARKING = contextvars.ContextVar("kfac_marking_calls", default=False)
+
+
+@contextlib.contextmanager
+def marking_calls() -> Iterator[None]:
+  """Within: `perturbed` adds each perturbation in a call `marker_name`
+  names (a trace-time mode: the jaxpr then shows where each layer call's
+  output leaves it)."""
+  token = _MARKING.set(True)
+  try:
+    yield
+  finally:
+    _MARKING.reset(token)
+
+
+def marking() -> bool:
+  """Whether `marking_calls` is on."""
+  return _MARKING.get()
+
+
+def marker_name(path: Path) -> str:
+  """The name of the marked call that adds the perturbations of ``path``."""
+  return f"kfac_perturbed[{'/'.join(path)}]"
+
+
+@functools.cache
+def _marked_add(name: str) -> Callable[[Any, Any], Any]:
+  def add(output, perturbation):
+    return output + perturbation
+  add.__name__ = name
+  return jax.jit(add)
+
+
+def perturbed(output: Any, perturbation: Any, path: Path) -> Any:
+  """``output + perturbation`` for a call of the layer at ``path``; while
+  `marking_calls`, in a call named `marker_name` ``(path)``."""
+  if not marking():
+    return output + perturbation
+  return _marked_add(marker_name(path))(output, perturbation)
 
 
 class Uncaptured(NamedTuple):

@@ -93,8 +93,13 @@ class _Interceptor:
       self.param_shapes[tuple(owner.path)] = {
           name: jnp.shape(value)
           for name, value in module.variables.get("params", {}).items()}
-    return owner.perturb(capture.output_name(method, len(previous_calls)), output,
-                         collection=capture.PERTURBATIONS)
+    name = capture.output_name(method, len(previous_calls))
+    if not capture.marking():
+      return owner.perturb(name, output, collection=capture.PERTURBATIONS)
+    # flax's perturb adds inside itself: take the variable alone, add marked.
+    perturbation = owner.perturb(name, jnp.zeros_like(output),
+                                 collection=capture.PERTURBATIONS)
+    return capture.perturbed(output, perturbation, tuple(owner.path))
 
   def _record(self, path: Path, layout: Any) -> None:
     if not path and self.layouts.get(path, layout) != layout:

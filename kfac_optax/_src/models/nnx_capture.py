@@ -125,9 +125,11 @@ class _Recorder:
     calls.append(None if lifted else captured)
     if not self.discovering:
       if not lifted:
-        return output + self.perturbations[method][path][index]
+        return capture.perturbed(output, self.perturbations[method][path][index],
+                                 path)
       getattr(module, _stash_name("in", method, index)).set_value(captured)
-      return output + getattr(module, _stash_name("out", method, index))[...]
+      return capture.perturbed(
+          output, getattr(module, _stash_name("out", method, index))[...], path)
     if method == capture.CALL:
       capture.record_layout(self.layouts, path, kind.layout(config, captured, output))
       self.output_shapes[path] = jnp.shape(output)
