@@ -28,6 +28,9 @@ From the repository root::
       # GPU, against the targets of accelerator.py's race (<name>_large_gpu)
   python benchmarks/studies/recipe_sweep.py --out-dir /tmp/s --markdown /tmp/s.md  # keeps
       # RESULTS.md's section and JSON as they are
+  python benchmarks/studies/recipe_sweep.py --workload transformer_lm --large \
+      --reference transformer_lm_large_gpu --steps 230   # on CPU, steps to the
+      # targets of the GPU's race
 """
 
 import argparse
@@ -118,13 +121,18 @@ def main(argv=None):
   parser.add_argument("--large", action="store_true",
                       help="the workload's large size, against the targets of "
                       "its <name>_large run on this backend (an accelerator's)")
+  parser.add_argument("--reference", help="the run whose targets to use, a "
+                      "results file's stem (default: the workload's own run on "
+                      "this backend); steps to them compare across backends, "
+                      "the estimated time ratio does not")
   args = parser.parse_args(argv)
   started = time.perf_counter()
   module, limit = WORKLOADS[args.workload], TIME_LIMITS[args.workload]
   workload = module.workload(args.quick, large=args.large)
   run = harness.run_name(workload, args.large)
   targets, recipe_ms, reference_date = reference_run(
-      run, f"python benchmarks/{args.workload}.py" + (" --large" if args.large else ""))
+      args.reference or run,
+      f"python benchmarks/{args.workload}.py" + (" --large" if args.large else ""))
   budget = targets[-1]
   steps = QUICK_STEPS if args.quick else args.steps or math.ceil(
       1.2 * limit * budget["source_seconds"] / (recipe_ms / 1e3))

@@ -251,7 +251,7 @@ def read_elsewhere_message(leaves: list[tree_paths.Path]) -> str:
       f"the model reads {named}{' ...' if len(leaves) > 6 else ''} outside "
       "the calls of its layer (e.g. a tied decoder's `h @ "
       "enc.variables['params']['kernel'].T`, or the array passed to another "
-      "function): K-FAC's Kronecker block for a layer models its params' "
+      "function): K-FAC's block for a layer models its params' "
       "gradient through the layer's own calls only, so its curvature would "
       "leave out the rest of their gradient.\nFix: give these params the "
       f"exact diagonal Fisher, layer_overrides={diagonal!r}{more}; or reuse "

@@ -85,7 +85,7 @@ def marking() -> bool:
 
 def marker_name(path: Path) -> str:
   """The name of the marked call that adds the perturbations of ``path``."""
-  return f"kfac_perturbed[{'/'.join(path)}]"
+  return f"kfac_perturbed[{'/'.join(map(str, path))}]"
 
 
 @functools.cache
