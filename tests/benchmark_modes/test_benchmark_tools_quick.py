@@ -52,6 +52,11 @@ def test_recipe_sweep_without_the_workloads_race_names_the_command_that_writes_i
   assert str(error.value) == (
       f"no {path}: the sweep's targets come from a full race of the workload on "
       "this backend; run python benchmarks/convnet.py --large first")
+  # --reference names the run whose targets to read instead.
+  with pytest.raises(FileNotFoundError) as error:
+    recipe_sweep.main(["--quick", "--workload", "convnet", "--large",
+                       "--reference", "convnet_large_tpu"])
+  assert str(error.value).startswith(f"no {tmp_path / 'convnet_large_tpu.json'}:")
 
 
 def test_curvature_batch_quick_mode_races_every_sub_batch():
