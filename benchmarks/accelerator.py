@@ -18,8 +18,15 @@ summary says so.
 
 From the repository root, on the GPU machine::
 
-  python benchmarks/accelerator.py              # races 7.6-8.3 min on an H200 (2026-11-27, 28)
+  python benchmarks/accelerator.py              # races 7.6-8.7 min on an H200 (2026-11-27, 28, 29)
   python benchmarks/accelerator.py --quick      # the quick sizes, on any backend
+
+The image workloads read Fashion-MNIST from Debian's package, which a bare
+GPU machine lacks: copy its four files into a folder git ignores here and
+carry it, then put them back there before the races, e.g.
+``mkdir -p /usr/share/datasets/fashion-mnist && cp .gpudata/*.gz
+/usr/share/datasets/fashion-mnist/`` (without them the workloads fall back to
+scikit-learn's 8x8 digits, a different race).
 """
 
 import argparse
