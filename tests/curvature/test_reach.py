@@ -3,6 +3,8 @@
 unpreconditioned; a layer's calls that do not reach the loss are left out
 of its statistics."""
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -279,4 +281,57 @@ def test_an_nnx_kernel_read_outside_its_layer_is_refused():
   with pytest.raises(ValueError, match=r"reads 'enc/kernel' outside"):
     kfac_optax.kfac(model, AUTOENCODER_LOSS, example_batch=BATCH,
                     learning_rate=1e-2).init(params)
+
+
+class SlicedHead(nn.Module):
+  """A head applied to every position, its output then indexed (or not)."""
+  read: str
+
+  @nn.compact
+  def __call__(self, x):
+    h = jnp.tanh(nn.Dense(4, name="hidden")(x))
+    if self.read == "input sliced":
+      return nn.Dense(3, name="head")(h[:, 0])
+    out = nn.Dense(3, name="head")(h)
+    return {"first": lambda: out[:, 0],
+            "gathered": lambda: out[jnp.arange(6), jnp.arange(1, 7)],
+            "mean": lambda: out.mean(1),
+            "features": lambda: out[:, 0, :] + out[:, 1:, :2].sum((1, 2))[:, None]}[
+                self.read]()
+
+
+@pytest.mark.parametrize("read, warned", [
+    ("first", True), ("gathered", True), ("mean", False), ("features", False),
+    ("input sliced", False)])
+def test_a_layer_output_the_loss_reads_in_part_is_warned_of(read, warned):
+  """The warning's claim, brute force: the input factor of
+  ``head(h)[:, 0]`` is the mean of ``[h, 1][h, 1]ᵀ`` over all 7 positions of
+  each example, not the read one's; ``G``, per example a sum over positions,
+  is the read rows' (the others' gradients are zero; exact estimation)."""
+  x = jax.random.normal(jax.random.key(0), (6, 7, 5))
+  batch = (x, jax.random.randint(jax.random.key(1), (6,), 0, 3))
+  model = SlicedHead(read)
+  params = model.init(jax.random.key(2), x)["params"]
+  tx = kfac_optax.scale_by_kfac(model.apply, LOSS, example_batch=batch,
+                                estimation="exact")
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    state = tx.init(params)
+  messages = [str(w.message) for w in caught if "only through indexing" in str(w.message)]
+  assert len(messages) == int(warned)
+  if read != "first":
+    return
+  assert "'head'" in messages[0] and "head(h[:, 0])" in messages[0]
+  head = jax.jit(lambda p: tx.update(p, state, p, batch=batch)[1].factors)(params)["head"]
+  p64 = jax.tree.map(lambda v: np.asarray(v, np.float64), params)
+  h = np.tanh(np.asarray(x, np.float64) @ p64["hidden"]["kernel"] + p64["hidden"]["bias"])
+  logits = h[:, 0] @ p64["head"]["kernel"] + p64["head"]["bias"]
+  s = np.exp(logits - logits.max(1, keepdims=True))
+  s /= s.sum(1, keepdims=True)
+  rows = np.concatenate([h, np.ones(h.shape[:2] + (1,))], 2).reshape(-1, 5)
+  want = (rows.T @ rows / len(rows),
+          np.mean([np.diag(r) - np.outer(r, r) for r in s], 0))
+  for got, expected in zip(head, want):
+    np.testing.assert_allclose(np.asarray(got[0], np.float64), expected,
+                               rtol=1e-5, atol=1e-7)
 

@@ -30,8 +30,9 @@ unreached therefore truly sends no derivative to the outputs.
 """
 
 import functools
+import math
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import flax
 import jax
@@ -39,32 +40,49 @@ import jax
 from kfac_optax._src import tree_paths
 from kfac_optax._src.curvature import model_call
 from kfac_optax._src.curvature import plan as plans
+from kfac_optax._src.curvature import summary
 from kfac_optax._src.models import capture
 
 # Calls whose inner jaxpr takes the call's operands in order.
 _TRANSPARENT_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "checkpoint": "jaxpr",
                       "remat": "jaxpr", "remat2": "jaxpr",
                       "closed_call": "call_jaxpr"}
+# Indexing that keeps some of an array's elements (x[:, 0], x[idx]).
+_SLICES = ("slice", "dynamic_slice", "gather")
+
+
+class Reads(NamedTuple):
+  """What one walk of the hooked model's jaxpr finds."""
+  unreached_fallback: dict[str, bool]                        # leaf key -> unreached
+  unreached_calls: dict[tree_paths.Path, tuple[bool, ...]]   # layer -> per call
+  read_elsewhere: list[tree_paths.Path]  # layer params leaves read outside its calls
+  sliced: list[tree_paths.Path]          # layers with a call whose rows the loss slices
 
 
 def check(model: model_call.ModelCall, plan: plans.Plan, params: Any,
           batch: Any, axis_names: tuple[str, ...]) -> None:
   """Every block's layers and params must reach the loss's outputs on
   ``batch`` (the example batch, at init): a layer through at least one of
-  its calls (`reached_calls` leaves the others out of its statistics).
+  its calls (`reached_calls` leaves the others out of its statistics); and
+  a layer's params only through its calls.
+
+  Warns when the loss reads only some rows of a call's output (by indexing
+  it): the statistics would count every row.
 
   Raises:
-    ValueError: naming the layers and params that do not, and the fix.
+    ValueError: naming the layers and params that do not, or the params
+      read outside their layer's calls, and the fix.
   """
-  fallback, calls, read_elsewhere = _unreached_leaves(
-      model, plan, params, batch, axis_names, own_params=True)
+  reads = _reads(model, plan, params, batch, axis_names, own_params=True)
   layers = [key for key, (path, _) in plan.layers.items()
-            if path in calls and all(calls[path])]
-  leaves = [key for key, unused in fallback.items() if unused]
+            if path in reads.unreached_calls and all(reads.unreached_calls[path])]
+  leaves = [key for key, unused in reads.unreached_fallback.items() if unused]
   if layers or leaves:
     raise ValueError(unreached_message(layers, leaves))
-  if read_elsewhere:
-    raise ValueError(read_elsewhere_message(read_elsewhere))
+  if reads.read_elsewhere:
+    raise ValueError(read_elsewhere_message(reads.read_elsewhere))
+  if reads.sliced:
+    summary.warn(sliced_message(reads.sliced))
 
 
 def reached_calls(model: model_call.ModelCall, plan: plans.Plan, params: Any,
@@ -78,7 +96,7 @@ def reached_calls(model: model_call.ModelCall, plan: plans.Plan, params: Any,
   which it returns beside them) adds nothing to the layer's Fisher block,
   but its inputs would count as rows of ``A`` (49 of every 50 rows of that
   head's): its statistics must leave it out."""
-  _, calls, _ = _unreached_leaves(model, plan, params, batch, axis_names)
+  calls = _reads(model, plan, params, batch, axis_names).unreached_calls
   return {path: tuple(i for i, unused in enumerate(flags) if not unused)
           for path, flags in calls.items() if any(flags)}
 
@@ -93,13 +111,10 @@ def only_reached(captured: capture.Captured,
                            output_grads=kept(captured.output_grads))
 
 
-def _unreached_leaves(model: model_call.ModelCall, plan: plans.Plan, params: Any,
-                      batch: Any, axis_names: tuple[str, ...], own_params: bool = False
-                      ) -> tuple[dict[str, bool], dict[tree_paths.Path, tuple[bool, ...]],
-                                 list[tree_paths.Path]]:
-  """``(fallback leaf key -> unreached, layer path -> per call: unreached,
-  layer params leaves read outside their layer's calls)`` from one abstract
-  trace of the hooked model on ``batch`` (the last only with ``own_params``).
+def _reads(model: model_call.ModelCall, plan: plans.Plan, params: Any, batch: Any,
+           axis_names: tuple[str, ...], own_params: bool = False) -> Reads:
+  """`Reads` from one abstract trace of the hooked model on ``batch``
+  (``read_elsewhere`` and ``sliced`` only with ``own_params``, at init).
 
   One walk carries a bit per question: bit 0 asks what reaches the loss;
   layer ``i``'s bit ``2**(i + 1)`` is dropped where the layer's own marked
@@ -125,15 +140,40 @@ def _unreached_leaves(model: model_call.ModelCall, plan: plans.Plan, params: Any
     args = (fallback, plan.perturbations, owned)
     with capture.marking_calls():
       jaxpr = jax.make_jaxpr(lambda *args: hooked(*args)[0])(*args).jaxpr
-    needs = _needs(jaxpr, [-1] * len(jaxpr.outvars), ends)
-    found.append(jax.tree.unflatten(jax.tree.structure(args), needs))
+    need = _need_map(jaxpr, [-1] * len(jaxpr.outvars), ends)
+    markers = {capture.marker_name(path): path for path in bits}
+    found.append((jax.tree.unflatten(jax.tree.structure(args),
+                                     [need.get(v, 0) for v in jaxpr.invars]),
+                  _sliced_calls(jaxpr, need, markers) if own_params else []))
   plans.abstractly(trace, params, batch, {}, axis_names)
-  fallback, perturbations, owned = found[0]
+  (fallback, perturbations, owned), sliced = found[0]
   calls = {path: tuple(not any(need & 1 for need in jax.tree.leaves(call))
                        for call in per_call)
            for path, per_call in capture.by_layer(perturbations).items()}
-  read_elsewhere = [leaf for leaf, need in owned.items() if need & bits[leaf[:-1]]]
-  return ({k: not need & 1 for k, need in fallback.items()}, calls, read_elsewhere)
+  return Reads({k: not need & 1 for k, need in fallback.items()}, calls,
+               [leaf for leaf, need in owned.items() if need & bits[leaf[:-1]]],
+               sliced)
+
+
+def _sliced_calls(jaxpr: Any, need: dict, markers: dict[str, tree_paths.Path]
+                  ) -> list[tree_paths.Path]:
+  """The layers with a call (outside control flow and calls) whose output
+  the loss reads only through indexing that keeps fewer rows (every axis but
+  the last) than the output has, as in ``head(h)[:, 0]``."""
+  rows = lambda var: math.prod(var.aval.shape[:-1])
+  sliced = []
+  for eqn in jaxpr.eqns:
+    path = markers.get(eqn.params.get("name")) if _inner(eqn) is not None else None
+    if path is None or path in sliced or not eqn.outvars:  # outputs pruned (nn.scan)
+      continue
+    output = eqn.outvars[0]
+    readers = [e for e in jaxpr.eqns if output in e.invars
+               and any(need.get(v, 0) & 1 for v in e.outvars)]
+    if (readers and output not in jaxpr.outvars
+        and all(e.primitive.name in _SLICES and e.invars[0] is output for e in readers)
+        and sum(rows(e.outvars[0]) for e in readers) < rows(output)):
+      sliced.append(path)
+  return sliced
 
 
 def unreached(fn: Callable[..., Any], *args: Any) -> list[bool]:
@@ -165,6 +205,12 @@ def _needs(jaxpr: Any, out_needs: list[int], ends: dict[str, int]) -> list[int]:
   """For each invar of ``jaxpr``: the union of the bits of ``out_needs`` (one
   int per outvar) of the outvars that depend on it. A marked call named in
   ``ends`` passes its output's bits on without the ones it names."""
+  need = _need_map(jaxpr, out_needs, ends)
+  return [need.get(v, 0) for v in jaxpr.invars]
+
+
+def _need_map(jaxpr: Any, out_needs: list[int], ends: dict[str, int]) -> dict:
+  """`_needs` of every var of ``jaxpr`` (its own equations' too)."""
   need = {}
 
   def pull(atoms, needs):
@@ -176,7 +222,7 @@ def _needs(jaxpr: Any, out_needs: list[int], ends: dict[str, int]) -> list[int]:
     needs = [need.get(v, 0) for v in eqn.outvars]
     if any(needs) and eqn.primitive.name != "stop_gradient":
       pull(eqn.invars, _eqn_needs(eqn, needs, ends))
-  return [need.get(v, 0) for v in jaxpr.invars]
+  return need
 
 
 def _eqn_needs(eqn: Any, needs: list[int], ends: dict[str, int]) -> list[int]:
@@ -259,3 +305,16 @@ def read_elsewhere_message(leaves: list[tree_paths.Path]) -> str:
       "embedding table that also gives the logits, call its `attend` "
       "(nn.Embed) or apply a Dense on its transpose and name that call in "
       "tied_embeddings={call: table}.")
+
+
+def sliced_message(paths: list[tree_paths.Path]) -> str:
+  """init's warning for layer calls whose output the loss reads in part."""
+  named = ", ".join(repr(tree_paths.key(path)) for path in paths)
+  return (
+      f"the loss reads the output of {named} only through indexing that keeps "
+      "some of its rows (e.g. head(h)[:, 0]): K-FAC's input factor A averages "
+      "over every row the layer computes, so the rows the loss never reads "
+      "(their output gradient is zero) dilute it. Index the layer's input "
+      "instead (head(h[:, 0])), so that it computes only the rows the loss "
+      "reads.")
+
