@@ -266,6 +266,37 @@ def test_a_kernel_also_read_outside_its_layer_is_refused_naming_the_fix(
                   layer_overrides={read: "diagonal"}).init(params)
 
 
+class TanhDense(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return jnp.tanh(nn.Dense(4, name="dense")(x))
+
+
+def _vjp_forward(module, x):
+  return nn.vjp(lambda m, v: m(v), module, x)
+
+
+class CustomVJPNet(nn.Module):
+  """A layer called inside nn.custom_vjp (its rule the plain vjp)."""
+
+  @nn.compact
+  def __call__(self, x):
+    rule = nn.custom_vjp(lambda m, v: m(v), forward_fn=_vjp_forward,
+                         backward_fn=lambda vjp, g: vjp(g))
+    return nn.Dense(3, name="head")(rule(TanhDense(name="inner"), x))
+
+
+def test_a_layer_called_inside_a_custom_vjp_is_not_read_elsewhere():
+  """The walk reads a custom-derivative call's primal for the layers' own
+  params (their path ends at the marks inside it), so init accepts it."""
+  model = CustomVJPNet()
+  params = model.init(jax.random.key(2), X)["params"]
+  tx = kfac_optax.kfac(model.apply, LOSS, example_batch=BATCH, learning_rate=1e-2)
+  tx.init(params)
+  kinds = {row.path: row.kind for row in kfac_optax.describe(tx, params).rows}
+  assert kinds == {"inner/dense": "kronecker", "head": "kronecker"}
+
+
 class NNXTiedAutoencoder(nnx.Module):
 
   def __init__(self, rngs):

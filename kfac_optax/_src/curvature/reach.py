@@ -25,8 +25,10 @@ calls whose inner jaxpr is read the same way (``pjit``, ``remat``), and
 control flow, whose bodies are read to a fixed point (``scan``, ``while``:
 a carry is needed while any later iteration needs it; ``cond``: any branch).
 A custom derivative rule may route gradients anywhere, so custom_jvp and
-custom_vjp calls count as depending on every input. An input reported
-unreached therefore truly sends no derivative to the outputs.
+custom_vjp calls count as depending on every input (for the reach
+question; a layer's own params follow the call's primal, where a layer
+called inside it ends their path). An input reported unreached therefore
+truly sends no derivative to the outputs.
 """
 
 import functools
@@ -47,6 +49,7 @@ from kfac_optax._src.models import capture
 _TRANSPARENT_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "checkpoint": "jaxpr",
                       "remat": "jaxpr", "remat2": "jaxpr",
                       "closed_call": "call_jaxpr"}
+_CUSTOM_DERIVATIVE_CALLS = ("custom_jvp_call", "custom_vjp_call")
 # Indexing that keeps some of an array's elements (x[:, 0], x[idx]).
 _SLICES = ("slice", "dynamic_slice", "gather")
 
@@ -242,7 +245,15 @@ def _eqn_needs(eqn: Any, needs: list[int], ends: dict[str, int]) -> list[int]:
   if eqn.primitive.name == "cond":  # the branch index passes no derivative
     branches = [_needs(branch.jaxpr, needs, ends) for branch in params["branches"]]
     return [0] + [functools.reduce(operator.or_, column) for column in zip(*branches)]
-  return [functools.reduce(operator.or_, needs)] * len(eqn.invars)
+  union = functools.reduce(operator.or_, needs)
+  primal = getattr(params.get("call_jaxpr"), "jaxpr", None)
+  if eqn.primitive.name in _CUSTOM_DERIVATIVE_CALLS and primal is not None and len(
+      primal.invars) == len(eqn.invars):
+    # Reaching stays conservative; a layer's own params follow the primal,
+    # so that a layer called inside (nn.custom_vjp) is not read elsewhere.
+    inner = _needs(primal, [need & ~1 for need in needs], ends)
+    return [(union & 1) | need for need in inner]
+  return [union] * len(eqn.invars)
 
 
 def _loop_needs(body: Any, num_consts: int, num_carry: int, needs: list[int],
