@@ -31,6 +31,7 @@ called inside it ends their path). An input reported unreached therefore
 truly sends no derivative to the outputs.
 """
 
+import contextlib
 import functools
 import math
 import operator
@@ -124,7 +125,8 @@ def _reads(model: model_call.ModelCall, plan: plans.Plan, params: Any, batch: An
   calls pass their outputs on, so its params keep it only through other reads.
   """
   bits = {path: 2 << i for i, (path, _) in enumerate(plan.layers.values())}
-  ends = {capture.marker_name(path): bit for path, bit in bits.items()}
+  markers = {capture.marker_name(path): path for path in bits}
+  ends = {name: bits[path] for name, path in markers.items()}
   for table, calls in plan.tied.items():  # the table's block owns these calls
     for call in calls:
       ends[capture.marker_name(call)] = ends.get(capture.marker_name(call), 0) | bits[table]
@@ -141,10 +143,11 @@ def _reads(model: model_call.ModelCall, plan: plans.Plan, params: Any, batch: An
              for path, block in plan.layers.values()
              for name in block.param_names} if own_params else {}
     args = (fallback, plan.perturbations, owned)
-    with capture.marking_calls():
+    # The marks only serve the layer bits: the reach question (bit 0) passes
+    # through them, so `reached_calls` (every update's trace) goes without.
+    with capture.marking_calls() if own_params else contextlib.nullcontext():
       jaxpr = jax.make_jaxpr(lambda *args: hooked(*args)[0])(*args).jaxpr
     need = _need_map(jaxpr, [-1] * len(jaxpr.outvars), ends)
-    markers = {capture.marker_name(path): path for path in bits}
     found.append((jax.tree.unflatten(jax.tree.structure(args),
                                      [need.get(v, 0) for v in jaxpr.invars]),
                   _sliced_calls(jaxpr, need, markers) if own_params else []))
