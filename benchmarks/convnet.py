@@ -15,7 +15,8 @@ both every 10 (962-964), at a mean step 12% cheaper, and the early targets in
 "Schedule-free K-FAC"). At the large size (a GPU's) the tuned one is
 that momentum advice (learning rate 3e-3, momentum 0.7, damping 3e-4,
 statistics and inverses every 10 steps and on each of the first 5), which
-reached Muon's 4-s loss there and the schedule-free one did not. kfac-jax's step is ~60x Adam's on this model (3.5 s at
+reached Muon's 4-s loss there and the schedule-free one did not, with
+statistics from a quarter of the batch (since 2026-11-30; not yet raced). kfac-jax's step is ~60x Adam's on this model (3.5 s at
 batch 128 on 2 cores), so its two contenders run 10 steps per timed run
 (``--kfac-jax-steps``): enough for step times, not for its loss curve.
 kfac_optax at the matched settings runs 400 steps; the others get 120 s of
@@ -58,12 +59,16 @@ DEFAULTS = dict(budget_s=120.0, matched_steps=400, quick_steps=2, kfac_lr=1e-3,
                 # in all three runs (three rates keep the races within 8 min).
                 # There the docs' momentum advice reached Muon's 4-s loss
                 # first and the schedule-free one did not (2026-11-28, 29).
+                # Its statistics steps cost 10.6 ms above a plain step's 6.1
+                # (2026-11-30), most of them the 5x5x64 patches of 2048
+                # images: from a quarter of the batch (the large-batch advice).
                 large=dict(adam_lrs=[3e-3, 1e-2, 3e-2], muon_adam_lr=1e-2,
                            muon_lrs=[1e-2, 3e-2, 1e-1],
                            tuned={**harness.RECIPE, "learning_rate": 3e-3,
                                   "momentum": 0.7, "damping": 3e-4,
                                   "inverse_update_period": 10,
-                                  "curvature_warmup": 5}))
+                                  "curvature_warmup": 5,
+                                  "curvature_batch_size": 512}))
 # Large: 64 channels (4x the FLOPs of a step per example) and batch 2048 keep
 # a GPU busy: the best Adam step took 5.6 ms on an H200 (16 channels, batch
 # 128: 1.0 ms on an H100).
