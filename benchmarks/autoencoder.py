@@ -20,7 +20,8 @@ statistics from the first quarter of each batch (``curvature_batch_size``
 250: at statistics every step it cost 0.79x the step at equal losses,
 `studies/curvature_batch.py`). At the large size (a GPU's) the tuned one
 is the automatic mode (`kfac` without a learning rate) with the recipe's
-statistics period, inverses every 10 steps and the same sub-batch.
+statistics period, inverses every 10 steps, and the same quarter of the
+batch for the statistics and for its quadratic model.
 
 From the repository root::
 
@@ -51,10 +52,14 @@ DEFAULTS = dict(budget_s=120.0, matched_steps=200, quick_steps=2, kfac_lr=0.03,
                 # On an H200 the automatic mode (no learning rate) reached
                 # Muon's 4-s loss in 0.48x its time where the recipe did not
                 # reach it (2026-11-30); inverses every 10 took fewer steps to
-                # the early losses than every 50 on 2 CPU cores.
+                # the early losses than every 50 on 2 CPU cores, and its
+                # quadratic model on a quarter of the batch as many steps at
+                # 0.58x the step (RESULTS.md, "Recipe sweep: Deep autoencoder
+                # (Martens & Grosse 2015) (large)").
                 large=dict(tuned=dict(stats_update_period=10,
                                       inverse_update_period=10,
-                                      curvature_batch_size=LARGE_BATCH // 4)))
+                                      curvature_batch_size=LARGE_BATCH // 4,
+                                      quadratic_batch_size=LARGE_BATCH // 4)))
 GOALS = (
     harness.Goal("mean ms/step / kfac-jax's at matched settings",
                  "mean_vs_kfac_jax", 0.5, ("kfac_optax",)),

@@ -83,6 +83,20 @@ def count(name: str, value: Any, minimum: int) -> None:
     raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
+def is_positive_int(value: Any) -> bool:
+  """Whether ``value`` is a Python int >= 1 (a size the trace is built with)."""
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def static_size(name: str, value: Any, none_allowed: bool) -> None:
+  """``value`` is a positive Python int (or None where ``none_allowed``): a
+  size that shapes the program, so never an injected array."""
+  if not (is_positive_int(value) or (value is None and none_allowed)):
+    valid = "a positive Python int" + (" or None" if none_allowed else "")
+    raise ValueError(f"{name} must be {valid}, got {value!r}; with "
+                     "optax.inject_hyperparams, list it in static_args")
+
+
 def ordered(low_name: str, low: Any, high_name: str, high: Any) -> None:
   """``low <= high`` (when both are concrete)."""
   low_name, low = _concrete(low_name, low)

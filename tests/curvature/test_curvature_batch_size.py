@@ -81,7 +81,7 @@ def test_batch_errors_name_the_argument_and_the_fix():
   tx = scale_by_kfac(estimation="empirical", curvature_batch_size=9)
   with pytest.raises(ValueError, match=(
       r"curvature_batch_size=9 exceeds the batch size 8.\nFix: "
-      r"curvature_batch_size <= 8, or None \(statistics from the whole batch\).")):
+      r"curvature_batch_size <= 8, or None \(the whole batch\).")):
     tx.update(grads, tx.init(PARAMS), PARAMS, batch=BATCH)
   tx = scale_by_kfac(estimation="empirical", curvature_batch_size=SUB)
   with pytest.raises(ValueError, match=(

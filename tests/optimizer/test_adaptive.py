@@ -167,15 +167,24 @@ def test_norm_constraint_bounds_the_update_fisher_norm():
 # Quadratic-model learning rate and momentum.
 
 
-def test_qmodel_coefficients_minimise_the_explicit_quadratic_model():
+def first(batch, size):
+  """The first ``size`` examples of ``batch`` (all for None)."""
+  return jax.tree.map(lambda leaf: leaf[:size], batch)
+
+
+@pytest.mark.parametrize("quadratic_batch_size", [None, 3])
+def test_qmodel_coefficients_minimise_the_explicit_quadratic_model(quadratic_batch_size):
+  """The model's curvature term is the Fisher of the batch, or of its first
+  ``quadratic_batch_size`` examples; its gradient term the whole batch's."""
   l2 = 1e-3
   tx = kfac_optax.kfac(bf.TinyMLP().apply, LOSS, learning_rate=None, momentum=None,
-                       adaptive_damping=False, l2_reg=l2, **SETTINGS)
+                       adaptive_damping=False, l2_reg=l2,
+                       quadratic_batch_size=quadratic_batch_size, **SETTINGS)
   updates, states = run(tx)
   curv = curvature()
   for step, (update, state) in enumerate(zip(updates, states)):
     batch = BATCHES[step]
-    fisher, _ = explicit_fisher(PARAMS, batch)
+    fisher, _ = explicit_fisher(PARAMS, first(batch, quadratic_batch_size))
     g = flat64(grads_at(PARAMS, batch))
     v = flat64(curv.precondition(state.curvature, grads_at(PARAMS, batch)))
     previous = flat64(states[step - 1].previous_update) if step else np.zeros_like(v)
@@ -195,8 +204,11 @@ def test_qmodel_coefficients_minimise_the_explicit_quadratic_model():
                                coefficients, rtol=1e-3, atol=1e-6)
     assert float(stats["qmodel_change"]) == pytest.approx(change, rel=1e-3)
     assert change < 0
-    # No other step along v and the previous step does better.
-    for perturbation in ([1e-2, 0], [0, 1e-2], [-1e-2, 1e-2]):
+    # No other step along v and the previous step, μ in its range, does better.
+    for perturbation in ([1e-2, 0], [0, 1e-2], [-1e-2, 1e-2], [0, -1e-2]):
+      low, high = adaptive.MOMENTUM_RANGE
+      if not low <= coefficients[1] + perturbation[1] <= high:
+        continue
       other = expected + perturbation[0] * v + perturbation[1] * previous
       assert g @ other + 0.5 * other @ curvature_matrix @ other >= change - 1e-12
 
@@ -309,6 +321,46 @@ def test_the_gradients_key_as_rng_gives_the_loss_change_the_model_predicts(
   assert np.mean(rhos(False)) < 0.9
 
 
+def test_with_a_quadratic_sub_batch_rho_compares_its_examples_losses():
+  """ρ divides the sub-batch's loss change by the model's prediction (its
+  gradient term the whole batch's, its curvature term the sub-batch's)."""
+  size = 2
+  tx = kfac_optax.kfac(bf.TinyMLP().apply, LOSS, damping_adaptation_interval=1,
+                       quadratic_batch_size=size, **SETTINGS)
+  updates, states = run(tx, BATCHES[:1])
+  delta = flat64(updates[0])
+  fisher, unravel = explicit_fisher(PARAMS, first(BATCH, size))
+  g = flat64(grads_at(PARAMS, BATCHES[0]))
+  predicted = g @ delta + 0.5 * delta @ fisher @ delta
+
+  def loss_change(batch):
+    loss = lambda w: float(LOSS.value(bf.TinyMLP().apply(
+        {"params": unravel(w)}, batch[0]), batch))
+    flat = flat64(PARAMS)
+    return loss(flat + delta) - loss(flat)
+  whole = loss_change(BATCHES[0]) / predicted
+  sub_batch = loss_change(first(BATCHES[0], size)) / predicted
+  assert float(states[0].rho) == pytest.approx(sub_batch, rel=1e-3)
+  assert abs(sub_batch - whole) > 0.05  # the two differ: the check can fail
+
+
+def test_quadratic_batch_size_errors_name_the_setting_and_the_fix():
+  with pytest.raises(ValueError, match=(
+      "quadratic_batch_size sizes the automatic mode's quadratic model, which a "
+      "fixed learning_rate and momentum do not build.\nFix: learning_rate=None")):
+    kfac_optax.kfac(bf.TinyMLP().apply, LOSS, learning_rate=0.1,
+                    quadratic_batch_size=2, **SETTINGS)
+  with pytest.raises(ValueError, match=(
+      "quadratic_batch_size must be a positive Python int or None, got 2.0; "
+      "with optax.inject_hyperparams, list it in static_args")):
+    kfac_optax.kfac(bf.TinyMLP().apply, LOSS, quadratic_batch_size=2.0, **SETTINGS)
+  tx = kfac_optax.kfac(bf.TinyMLP().apply, LOSS, quadratic_batch_size=7, **SETTINGS)
+  with pytest.raises(ValueError, match=(
+      "quadratic_batch_size=7 exceeds the batch size 6.\nFix: "
+      "quadratic_batch_size <= 6, or None \\(the whole batch\\).")):
+    tx.update(grads_at(PARAMS, BATCH), tx.init(PARAMS), PARAMS, batch=BATCH)
+
+
 def test_a_failed_step_is_rejected_and_measured_again_until_one_succeeds():
   # lr 5 overshoots on the tiny MLP. Step 0 raises the loss (ρ < 0); steps
   # 1 and 2, at the same params with λ raised, are still predicted to raise
@@ -396,7 +448,7 @@ def implausible_case(loss, l2_reg, change):
   ``change`` for the step α = 1 (``q₀(α) = -bα + α²/2``)."""
   settings = kfac_step.Settings(
       kfac_optax.Curvature(bf.TinyMLP().apply, loss, BATCH, estimation="empirical"),
-      None, None, None, True, 1e-2, 1000, 0.95, 1e-8, math.inf, l2_reg, 0)
+      None, None, None, True, 1e-2, 1000, 0.95, 1e-8, math.inf, l2_reg, 0, None)
   state = kfac_step.KFACState(None, None, jnp.array(3), jnp.float32(1e-2),
                               *[jnp.float32(0.0)] * 2, jnp.float32(1.0),
                               *[jnp.float32(0.0)] * 2)

@@ -68,9 +68,10 @@ def on_schedule(period: Any, warmup: Any, count: jax.Array,
   return jax.lax.cond(due, refresh, lambda c: c, current)
 
 
-def statistics_batch(batch: Any, size: int | None) -> Any:
-  """The first ``size`` examples of ``batch`` (``curvature_batch_size``;
-  all of it for None): every leaf sliced on its leading axis."""
+def statistics_batch(batch: Any, size: int | None,
+                     name: str = "curvature_batch_size") -> Any:
+  """The first ``size`` examples of ``batch`` (the setting ``name``; all of
+  it for None): every leaf sliced on its leading axis."""
   if size is None:
     return batch
   leaves = jax.tree.leaves(batch)
@@ -78,17 +79,16 @@ def statistics_batch(batch: Any, size: int | None) -> Any:
   if len(leading) != 1 or None in leading:
     shapes = [tuple(jnp.shape(leaf)) for leaf in leaves]
     raise ValueError(
-        f"curvature_batch_size={size} takes the first {size} examples of every "
+        f"{name}={size} takes the first {size} examples of every "
         f"leaf of the batch, but its leaves have no common leading (batch) "
         f"axis: shapes {shapes[:8]}{' ...' if len(shapes) > 8 else ''}.\nFix: "
-        "give every leaf of the batch the examples on its first axis, or "
-        "curvature_batch_size=None (statistics from the whole batch).")
+        f"give every leaf of the batch the examples on its first axis, or "
+        f"{name}=None (the whole batch).")
   (batch_size,) = leading
   if size > batch_size:
     raise ValueError(
-        f"curvature_batch_size={size} exceeds the batch size {batch_size}.\n"
-        f"Fix: curvature_batch_size <= {batch_size}, or None (statistics from "
-        "the whole batch).")
+        f"{name}={size} exceeds the batch size {batch_size}.\n"
+        f"Fix: {name} <= {batch_size}, or None (the whole batch).")
   return jax.tree.map(lambda leaf: leaf[:size], batch)
 
 

@@ -35,10 +35,6 @@ OVERRIDES = ("skip", "diagonal", *blocks.KRONECKER_STRUCTURES, "independent",
              *blocks.SERIES_OPTIONS)
 
 
-def _is_positive_int(value: Any) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class CurvatureOptions:
   """How K-FAC runs the model, estimates the curvature and inverts it.
@@ -202,14 +198,9 @@ class CurvatureOptions:
     checks.count("inverse_update_period", self.inverse_update_period, 1)
     checks.count("stats_update_period", self.stats_update_period, 1)
     checks.count("curvature_warmup", self.curvature_warmup, 0)
-    for name, valid in (("num_samples", "a positive Python int"),
-                        ("curvature_batch_size", "a positive Python int or None"),
-                        ("factor_rank", "a positive Python int or None"),
-                        ("factor_block_size", "a positive Python int or None")):
-      value = getattr(self, name)
-      if not (_is_positive_int(value) or (value is None and "None" in valid)):
-        raise ValueError(f"{name} must be {valid}, got {value!r}; with "
-                         "optax.inject_hyperparams, list it in static_args")
+    checks.static_size("num_samples", self.num_samples, none_allowed=False)
+    for name in ("curvature_batch_size", "factor_rank", "factor_block_size"):
+      checks.static_size(name, getattr(self, name), none_allowed=True)
     if self.factor_rank is not None and self.factor_block_size is not None:
       raise ValueError(
           f"factor_rank={self.factor_rank} and factor_block_size="
@@ -219,7 +210,7 @@ class CurvatureOptions:
           "wide layers whose factors' spectra decay fast.")
     bound = self.max_factor_dim
     if not (bound is None or (isinstance(bound, str) and bound == "auto")
-            or _is_positive_int(bound)):
+            or checks.is_positive_int(bound)):
       raise ValueError(
           "max_factor_dim must be a positive Python int, None (no bound) or "
           f"\"auto\" ({DEFAULT_MAX_FACTOR_DIM}), got {self.max_factor_dim!r}; with "

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from kfac_optax._src.curvature.curvature import Curvature
+from kfac_optax._src.curvature.curvature import statistics_batch
 from kfac_optax._src.curvature.state import ScaleByKFACState
 from kfac_optax._src.optimizer import adaptive
 from kfac_optax._src.optimizer import update_args
@@ -82,6 +83,7 @@ class Settings:
   max_damping: Any
   l2_reg: Any
   num_burnin_steps: int
+  quadratic_batch_size: int | None
 
   @property
   def solve(self) -> bool:
@@ -92,8 +94,9 @@ class Settings:
 class _Quadratic(NamedTuple):
   """The undamped quadratic model along ``(v, δ_prev)``: ``q₀(α, μ) =
   linear · c + ½ cᵀ curvature c`` with ``c = (α, μ)``, and the loss at the
-  params (over the replicas), read from the model pass's outputs: ρ's loss
-  before the step and `_implausible`'s bound, computed once."""
+  params (over the replicas) on the model pass's examples, read from its
+  outputs: ρ's loss before the step and `_implausible`'s bound, computed
+  once."""
   curvature: jax.Array
   linear: jax.Array
   loss: jax.Array
@@ -161,9 +164,11 @@ def _solved_coefficients(settings: Settings, v: Any, grads: Any, previous: Any,
                          lr: Any, mu: Any, vg: jax.Array) -> _Coefficients:
   """α and μ that minimise the damped quadratic model along ``v`` and
   ``δ_prev`` (the free ones: a given lr or μ stays; μ given as 0, along
-  ``v`` alone), from exact Fisher-vector products on the batch
-  (`adaptive.quadratic_coefficients`)."""
+  ``v`` alone), from exact Fisher-vector products on the batch, or its
+  first ``quadratic_batch_size`` examples (`adaptive.quadratic_coefficients`)."""
   curvature, l2_reg = settings.curvature, settings.l2_reg
+  batch = statistics_batch(batch, settings.quadratic_batch_size,
+                           "quadratic_batch_size")
   # With momentum given as 0 the step has no δ_prev part: its tangent, about
   # 40% of the quadratic pass's work, is left out, and the model is padded to
   # (v, δ_prev) with zeros (μ = 0 for it).
@@ -233,10 +238,14 @@ def _undamped_change(settings: Settings, coefficients: _Coefficients, delta: Any
 def _reduction_ratio(settings: Settings, coefficients: _Coefficients, delta: Any,
                      grads: Any, params: Any, batch: Any, variables: dict,
                      rng: jax.Array | None, dtype: Any) -> jax.Array:
-  """ρ: the loss's measured change over the undamped model's prediction."""
+  """ρ: the loss's measured change over the undamped model's prediction;
+  with the model built, on its examples (the first ``quadratic_batch_size``)."""
   curvature, l2_reg = settings.curvature, settings.l2_reg
   change, before = _undamped_change(settings, coefficients, delta, grads,
                                     params, batch, variables, rng)
+  if coefficients.quadratic is not None:  # its loss is on the model's examples
+    batch = statistics_batch(batch, settings.quadratic_batch_size,
+                             "quadratic_batch_size")
   moved = curvature.batch_loss(curvature.forward(
       optax.apply_updates(params, delta), batch, variables, rng), batch)
   # The user's loss holds the L2 term the model's l2_reg stands for:
