@@ -68,7 +68,7 @@ def on_schedule(period: Any, warmup: Any, count: jax.Array,
   return jax.lax.cond(due, refresh, lambda c: c, current)
 
 
-def statistics_batch(batch: Any, size: int | None,
+def first_examples(batch: Any, size: int | None,
                      name: str = "curvature_batch_size") -> Any:
   """The first ``size`` examples of ``batch`` (the setting ``name``; all of
   it for None): every leaf sliced on its leading axis."""
@@ -373,7 +373,7 @@ class Curvature(options.CurvatureOptions):
     replicas.check_context()
     variables = dict(variables or {})
     params = param_boxes.values(params)
-    batch = statistics_batch(batch, self.curvature_batch_size)
+    batch = first_examples(batch, self.curvature_batch_size)
     plan = self._plan(params, batch, variables, list(variables), "batch")
     plans.check_state(plan, state.factors)
     damping = jnp.asarray(damping, state.damping.dtype)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from kfac_optax._src.curvature.curvature import Curvature
-from kfac_optax._src.curvature.curvature import statistics_batch
+from kfac_optax._src.curvature.curvature import first_examples
 from kfac_optax._src.curvature.state import ScaleByKFACState
 from kfac_optax._src.optimizer import adaptive
 from kfac_optax._src.optimizer import update_args
@@ -158,6 +158,12 @@ def _requested_damping(settings: Settings, state: KFACState) -> jax.Array:
                      jnp.float32)
 
 
+def _model_examples(settings: Settings, batch: Any) -> Any:
+  """The examples the quadratic model is built on: the first
+  ``quadratic_batch_size`` (all for None)."""
+  return first_examples(batch, settings.quadratic_batch_size, "quadratic_batch_size")
+
+
 def _solved_coefficients(settings: Settings, v: Any, grads: Any, previous: Any,
                          params: Any, batch: Any, variables: dict,
                          rng: jax.Array | None, damping: jax.Array,
@@ -167,8 +173,7 @@ def _solved_coefficients(settings: Settings, v: Any, grads: Any, previous: Any,
   ``v`` alone), from exact Fisher-vector products on the batch, or its
   first ``quadratic_batch_size`` examples (`adaptive.quadratic_coefficients`)."""
   curvature, l2_reg = settings.curvature, settings.l2_reg
-  batch = statistics_batch(batch, settings.quadratic_batch_size,
-                           "quadratic_batch_size")
+  batch = _model_examples(settings, batch)
   # With momentum given as 0 the step has no δ_prev part: its tangent, about
   # 40% of the quadratic pass's work, is left out, and the model is padded to
   # (v, δ_prev) with zeros (μ = 0 for it).
@@ -244,8 +249,7 @@ def _reduction_ratio(settings: Settings, coefficients: _Coefficients, delta: Any
   change, before = _undamped_change(settings, coefficients, delta, grads,
                                     params, batch, variables, rng)
   if coefficients.quadratic is not None:  # its loss is on the model's examples
-    batch = statistics_batch(batch, settings.quadratic_batch_size,
-                             "quadratic_batch_size")
+    batch = _model_examples(settings, batch)
   moved = curvature.batch_loss(curvature.forward(
       optax.apply_updates(params, delta), batch, variables, rng), batch)
   # The user's loss holds the L2 term the model's l2_reg stands for:
