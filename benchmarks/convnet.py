@@ -61,7 +61,8 @@ DEFAULTS = dict(budget_s=120.0, matched_steps=400, quick_steps=2, kfac_lr=1e-3,
                 # first and the schedule-free one did not (2026-11-28, 29).
                 # Its statistics steps cost 10.6 ms above a plain step's 6.1
                 # (2026-11-30), most of them the 5x5x64 patches of 2048
-                # images: from a quarter of the batch (the large-batch advice).
+                # images: from a quarter of the batch (the large-batch advice;
+                # the same steps to T50 and T100 on 2 CPU cores).
                 large=dict(adam_lrs=[3e-3, 1e-2, 3e-2], muon_adam_lr=1e-2,
                            muon_lrs=[1e-2, 3e-2, 1e-1],
                            tuned={**harness.RECIPE, "learning_rate": 3e-3,

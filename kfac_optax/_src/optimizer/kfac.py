@@ -166,9 +166,9 @@ def kfac(
   at about n/B of the cost, and ρ the loss change on the same examples;
   the model's gradient term stays the batch's. With 250 of the deep
   autoencoder's 1000 images the steps to every target were the whole
-  batch's within 3 and the automatic step 1.28× the fixed one's (1.75×
-  without); 32 of 128 convnet images and 8 of 32 LM sequences lost steps
-  (benchmarks/RESULTS.md, "Where the automatic mode's extra cost goes").
+  batch's within 3 and the automatic step 1.29× the fixed one's (1.76×
+  without); 32 of 128 images and 8 of 32 LM sequences lost steps
+  (benchmarks/RESULTS.md, "The automatic mode's model from a sub-batch").
 
   ``l2_reg`` is the coefficient η of an L2 term ``η/2 ‖θ‖²`` that the user
   adds to the loss (its gradient is the user's): it is added to the
