@@ -5,17 +5,17 @@ recipe's. For each workload this study trains the fixed mode (the README
 recipe's learning rate and damping), the automatic mode (`kfac`'s
 defaults: α and μ solved, two tangents), the automatic mode with
 ``momentum=0`` (α alone, one tangent) and with its quadratic model's
-curvature from a quarter of the batch (``quadratic_batch_size``), all at the same statistics and
-inverse periods (default: the recipe's, 10 and 50), from the same params
-on the same batches. After a warm-up it times ``--rounds`` refresh
-periods of steps, the contenders' steps interleaved as in the races
-(`harness.race`), so each holds the same statistics steps and refreshes,
-and reports each contender's mean ms per step and its ratio to the fixed
-mode's. Prints a Markdown table; writes nothing.
+curvature from a quarter of the batch (``quadratic_batch_size``), all at
+the same statistics and inverse periods (default: the recipe's, 10 and
+50), from the same params on the same batches. After a warm-up it times
+``--rounds`` refresh periods of steps, the contenders' steps interleaved
+as in the races (`harness.race`), so each holds the same statistics steps
+and refreshes, and reports each contender's mean ms per step and its
+ratio to the fixed mode's. Prints a Markdown table; writes nothing.
 
 From the repository root::
 
-  python benchmarks/studies/automatic_cost.py                   # ~8 min on 2 CPU cores
+  python benchmarks/studies/automatic_cost.py                   # ~10 min on 2 CPU cores
   python benchmarks/studies/automatic_cost.py --workloads convnet --rounds 6
   python benchmarks/studies/automatic_cost.py --quick           # smoke test
 """

@@ -329,7 +329,7 @@ def test_with_a_quadratic_sub_batch_rho_compares_its_examples_losses():
                        quadratic_batch_size=size, **SETTINGS)
   updates, states = run(tx, BATCHES[:1])
   delta = flat64(updates[0])
-  fisher, unravel = explicit_fisher(PARAMS, first(BATCH, size))
+  fisher, unravel = explicit_fisher(PARAMS, first(BATCHES[0], size))
   g = flat64(grads_at(PARAMS, BATCHES[0]))
   predicted = g @ delta + 0.5 * delta @ fisher @ delta
 
