@@ -167,14 +167,20 @@ def _sliced_calls(jaxpr: Any, need: dict, markers: dict[str, tree_paths.Path]
   the loss reads only through indexing that keeps fewer rows (every axis but
   the last) than the output has, as in ``head(h)[:, 0]``."""
   rows = lambda var: math.prod(var.aval.shape[:-1])
+  readers_of = {}  # var -> the equations on the loss's path that read it
+  for eqn in jaxpr.eqns:
+    if any(need.get(v, 0) & 1 for v in eqn.outvars):
+      for var in filter(_is_var, eqn.invars):
+        readers = readers_of.setdefault(var, [])
+        if not readers or readers[-1] is not eqn:  # once per equation
+          readers.append(eqn)
   sliced = []
   for eqn in jaxpr.eqns:
     path = markers.get(eqn.params.get("name")) if _inner(eqn) is not None else None
     if path is None or path in sliced or not eqn.outvars:  # outputs pruned (nn.scan)
       continue
     output = eqn.outvars[0]
-    readers = [e for e in jaxpr.eqns if output in e.invars
-               and any(need.get(v, 0) & 1 for v in e.outvars)]
+    readers = readers_of.get(output, [])
     if (readers and output not in jaxpr.outvars
         and all(e.primitive.name in _SLICES and e.invars[0] is output for e in readers)
         and sum(rows(e.outvars[0]) for e in readers) < rows(output)):
@@ -331,4 +337,3 @@ def sliced_message(paths: list[tree_paths.Path]) -> str:
       "(their output gradient is zero) dilute it. Index the layer's input "
       "instead (head(h[:, 0])), so that it computes only the rows the loss "
       "reads.")
-
