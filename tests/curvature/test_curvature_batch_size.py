@@ -76,6 +76,34 @@ def test_a_bad_size_is_rejected_where_it_is_given(value, factory):
     factory(bf.TinyMLP().apply, LOSS, example_batch=BATCH, curvature_batch_size=value)
 
 
+# A model built for one batch size: an array with a row per example of it.
+OFFSETS = np.zeros((8, 1), np.float32)
+
+
+def fixed_batch_apply(variables, x, **kwargs):
+  return bf.TinyMLP().apply(variables, x + OFFSETS, **kwargs)
+
+
+@pytest.mark.parametrize("factory, setting", [
+    (kfac_optax.scale_by_kfac, {"curvature_batch_size": SUB}),
+    (kfac_optax.kfac, {"curvature_batch_size": SUB}),
+    (kfac_optax.kfac, {"learning_rate": None, "momentum": None,
+                       "quadratic_batch_size": SUB})])
+def test_a_model_sized_for_the_whole_batch_fails_init_naming_the_setting(
+    factory, setting):
+  name = next(key for key in setting if key.endswith("batch_size"))
+  tx = factory(fixed_batch_apply, LOSS, example_batch=BATCH, **SETTINGS, **setting)
+  with pytest.raises(ValueError, match=(
+      rf"{name}=3 runs the model on the batch's first 3 examples, but "
+      r"apply_fn, which runs on the 8 of example_batch, fails on 3: TypeError: "
+      r"[^\n]*incompatible shapes[^\n]*\nThe model likely holds arrays made for 8 "
+      rf"examples .*\nFix: build them from the inputs' shape inside the "
+      rf"model's call, or {name}=None \(the whole batch\).")):
+    tx.init(PARAMS)
+  # on the whole batch it runs
+  factory(fixed_batch_apply, LOSS, example_batch=BATCH, **SETTINGS).init(PARAMS)
+
+
 def test_batch_errors_name_the_argument_and_the_fix():
   grads = grads_at(PARAMS, BATCH)
   tx = scale_by_kfac(estimation="empirical", curvature_batch_size=9)

@@ -41,6 +41,7 @@ from kfac_optax._src.curvature import owner_statistics
 from kfac_optax._src.curvature import plan as plans
 from kfac_optax._src.curvature import reach
 from kfac_optax._src.curvature import replicas
+from kfac_optax._src.curvature import sub_batch
 from kfac_optax._src.curvature import summary
 from kfac_optax._src.curvature import tile_placement
 from kfac_optax._src.curvature.state import FALLBACK
@@ -68,28 +69,11 @@ def on_schedule(period: Any, warmup: Any, count: jax.Array,
   return jax.lax.cond(due, refresh, lambda c: c, current)
 
 
-def first_examples(batch: Any, size: int | None,
-                     name: str = "curvature_batch_size") -> Any:
-  """The first ``size`` examples of ``batch`` (the setting ``name``; all of
-  it for None): every leaf sliced on its leading axis."""
-  if size is None:
-    return batch
-  leaves = jax.tree.leaves(batch)
-  leading = {jnp.shape(leaf)[0] if jnp.ndim(leaf) else None for leaf in leaves}
-  if len(leading) != 1 or None in leading:
-    shapes = [tuple(jnp.shape(leaf)) for leaf in leaves]
-    raise ValueError(
-        f"{name}={size} takes the first {size} examples of every "
-        f"leaf of the batch, but its leaves have no common leading (batch) "
-        f"axis: shapes {shapes[:8]}{' ...' if len(shapes) > 8 else ''}.\nFix: "
-        f"give every leaf of the batch the examples on its first axis, or "
-        f"{name}=None (the whole batch).")
-  (batch_size,) = leading
-  if size > batch_size:
-    raise ValueError(
-        f"{name}={size} exceeds the batch size {batch_size}.\n"
-        f"Fix: {name} <= {batch_size}, or None (the whole batch).")
-  return jax.tree.map(lambda leaf: leaf[:size], batch)
+def _placement(mesh: Any) -> linalg.StackSharding | None:
+  """How the stacks of `block_stacks` are split: over ``mesh``, each device
+  keeping its share (None on one device)."""
+  sharding = linalg.stack_sharding(mesh)
+  return None if sharding is None else dataclasses.replace(sharding, gather=False)
 
 
 def fold_in(ema_decay: float, factors: Any, stats_count: jax.Array,
@@ -212,6 +196,8 @@ class Curvature(options.CurvatureOptions):
     with explicit_axes.params_mesh(params):
       reach.check(self.model, plan, params, self.example_batch,
                   replicas.names(self.axis_name))
+    sub_batch.check_model_runs(self, params, self.curvature_batch_size,
+                               "curvature_batch_size")
     if plan.unowned:
       summary.warn(plans.unowned_message(plan))
     plans.warn_unmatched_overrides(self, params)
@@ -227,7 +213,7 @@ class Curvature(options.CurvatureOptions):
       placed = tile_placement.specs(plan, tree_paths.flatten(params)[0])
       factors, inverses = (tile_placement.place(tree, placed)
                            for tree in (factors, inverses))
-    placement = self._placement()
+    placement = _placement(self.mesh)
     layout = block_stacks.Layout.of(plan.all_blocks(), factors,
                                     1 if placement is None else placement.num_shards,
                                     stacked=self.factor_rank is None)
@@ -237,12 +223,6 @@ class Curvature(options.CurvatureOptions):
     return ScaleByKFACState(*counters[:2], layout.stack(factors, placement),
                             layout.stack(inverses, placement),
                             jnp.zeros([], dtype), *counters[2:])
-
-  def _placement(self) -> linalg.StackSharding | None:
-    """How the stacks of `block_stacks` are split: over the mesh, each
-    device keeping its share (None on one device)."""
-    sharding = linalg.stack_sharding(self.mesh)
-    return None if sharding is None else dataclasses.replace(sharding, gather=False)
 
   def _capture(self, plan, params, batch, variables, rng):
     """`capture.capture` of the model on ``batch``: its layers' inputs and
@@ -282,7 +262,7 @@ class Curvature(options.CurvatureOptions):
                                     captured.output_grads[path], terms, **other_calls)
     if plan.fallback is not None:
       stats[FALLBACK] = plan.fallback.statistics(captured.primal_grads, terms)
-    stats, placement = tile_placement.place(stats, placed), self._placement()
+    stats, placement = tile_placement.place(stats, placed), _placement(self.mesh)
     return owner_statistics.at_owners(
         plan, stacks_layout.stack(stats, placement), captured, typed.get("specs"),
         terms, placement)
@@ -301,7 +281,7 @@ class Curvature(options.CurvatureOptions):
     sizes, 16 stacks) are 5 batches, each one compiled inversion, not 16.
     Over a mesh each stack stays on the devices that own its slots.
     """
-    all_blocks, placement = plan.all_blocks(), self._placement()
+    all_blocks, placement = plan.all_blocks(), _placement(self.mesh)
     rest = {key: all_blocks[key].damped(entry, damping)
             for key, entry in factors.rest.items()}
     placed = placed or {}
@@ -373,7 +353,7 @@ class Curvature(options.CurvatureOptions):
     replicas.check_context()
     variables = dict(variables or {})
     params = param_boxes.values(params)
-    batch = first_examples(batch, self.curvature_batch_size)
+    batch = sub_batch.first_examples(batch, self.curvature_batch_size)
     plan = self._plan(params, batch, variables, list(variables), "batch")
     plans.check_state(plan, state.factors)
     damping = jnp.asarray(damping, state.damping.dtype)
@@ -424,7 +404,7 @@ class Curvature(options.CurvatureOptions):
       if key in matrices.rest:
         layer = block.precondition(matrices.rest[key], grads(path, block))
         out.update({path + (n,): leaf for n, leaf in layer.items()})
-    placement = self._placement()
+    placement = _placement(self.mesh)
     for group, stack in zip(matrices.layout.groups, matrices.stacks):
       gradients = {key: block_stacks.gradient_matrix(
           plan.layers[key][1], grads(*plan.layers[key]), stack.a.dtype)

@@ -312,6 +312,35 @@ def abstractly(fn: Any, params: Any, batch: Any, variables: dict,
   jax.eval_shape(traced, params, batch, variables)
 
 
+def _run_plainly(model: model_call.ModelCall, params: Any, batch: Any,
+                 variables: dict, mutable: Any, what: str,
+                 axis_names: tuple[str, ...]) -> None:
+  """apply_fn traced on ``batch`` without K-FAC's capture."""
+  abstractly(lambda p, b, v, _: model.apply_fn(
+      {"params": p, **v}, *model.args(b, what), mutable=mutable,
+      **model.call_kwargs(None)), params, batch, variables, axis_names)
+
+
+def check_runs_on_part(model: model_call.ModelCall, params: Any, part: Any,
+                       name: str, size: int, whole: int,
+                       axis_names: tuple[str, ...]) -> None:
+  """Raises naming the setting ``name=size`` when apply_fn, which runs on
+  the ``whole`` examples of example_batch, fails on ``part``, its first
+  ``size``: a model that holds arrays sized for one batch."""
+  try:
+    _run_plainly(model, params, part, {}, flax.core.DenyList("params"),
+                 "example_batch", axis_names)
+  except Exception as error:  # re-raised naming the setting and the cause
+    raise ValueError(
+        f"{name}={size} runs the model on the batch's first {size} "
+        f"examples, but apply_fn, which runs on the {whole} of "
+        f"example_batch, fails on {size}: {type(error).__name__}: {error}\n"
+        f"The model likely holds arrays made for {whole} examples "
+        f"(positions or an attention mask built once, closed over or in "
+        f"apply_kwargs).\nFix: build them from the inputs' shape inside the "
+        f"model's call, or {name}=None (the whole batch).") from error
+
+
 def _discovery_error(model: model_call.ModelCall, error: Exception, params: Any,
                      variables: dict, batch: Any, mutable: Any, what: str,
                      axis_names: tuple[str, ...]) -> Exception:
@@ -338,9 +367,7 @@ def _discovery_error(model: model_call.ModelCall, error: Exception, params: Any,
         "jax.sharding.reshard), or make the mesh axes Auto "
         "(jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto, ...))).")
   try:
-    abstractly(lambda p, b, v, _: model.apply_fn(
-        {"params": p, **v}, *model.args(b, what), mutable=mutable,
-        **model.call_kwargs(None)), params, batch, variables, axis_names)
+    _run_plainly(model, params, batch, variables, mutable, what, axis_names)
   except Exception:  # the model fails on its own: the batch's structure
     return ValueError(
         f"scale_by_kfac could not run apply_fn on {what}: "

@@ -19,6 +19,7 @@ from kfac_optax._src import losses
 from kfac_optax._src import param_boxes
 from kfac_optax._src.curvature import explicit_axes
 from kfac_optax._src.curvature import options
+from kfac_optax._src.curvature import sub_batch
 from kfac_optax._src.curvature.curvature import Curvature
 from kfac_optax._src.optimizer import kfac_step
 from kfac_optax._src.optimizer import scale_by_kfac
@@ -245,8 +246,11 @@ def kfac(
     # previous_update keeps the params' boxes (their partitioning), as
     # optax's own momentum does, and their sharding: zeros made from the
     # params (not a constant) let a jitted init place it where they are.
+    curvature_state = curvature.init(params)
+    sub_batch.check_model_runs(curvature, params, quadratic_batch_size,
+                               "quadratic_batch_size")
     return KFACState(
-        curvature.init(params), jax.tree.map(lambda p: p * 0, params),
+        curvature_state, jax.tree.map(lambda p: p * 0, params),
         jnp.zeros([], jnp.int32), jnp.asarray(first_damping, jnp.float32) + 0.0,
         *unmeasured)
 

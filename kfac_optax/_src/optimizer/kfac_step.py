@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import optax
 
 from kfac_optax._src.curvature.curvature import Curvature
-from kfac_optax._src.curvature.curvature import first_examples
 from kfac_optax._src.curvature.state import ScaleByKFACState
+from kfac_optax._src.curvature.sub_batch import first_examples
 from kfac_optax._src.optimizer import adaptive
 from kfac_optax._src.optimizer import update_args
 
