@@ -33,13 +33,18 @@ from benchmarks import harness  # pylint: disable=wrong-import-position
 WORKLOADS = ("transformer_lm", "convnet", "autoencoder", "resnet")
 FIXED = dict(learning_rate=harness.RECIPE["learning_rate"],
              damping=harness.RECIPE["damping"])
-CONTENDERS = {"fixed": FIXED,
-              "automatic": dict(learning_rate=None),
-              "automatic, μ = 0": dict(learning_rate=None, momentum=0.0)}
-# The quadratic model's curvature term from a quarter of the batch
-# (`quadratic_batch_size`), for large batches.
-SUB_BATCH = "automatic, model on B/4"
 WARMUP_STEPS = 12  # past the first refresh and each program's compile
+
+
+def contenders(batch_size):
+  """Each contender's settings; the last takes the quadratic model's
+  curvature term from a quarter of the batch (`quadratic_batch_size`), for
+  large batches."""
+  return {"fixed": FIXED,
+          "automatic": dict(learning_rate=None),
+          "automatic, μ = 0": dict(learning_rate=None, momentum=0.0),
+          "automatic, model on B/4": dict(
+              learning_rate=None, quadratic_batch_size=max(1, batch_size // 4))}
 
 
 def step_times(workload_name, periods, rounds, quick=False):
@@ -50,14 +55,12 @@ def step_times(workload_name, periods, rounds, quick=False):
   params, model_state = harness.initial_variables(workload, 0)
   step = harness.train_step(workload)
   batches = harness.Batches(workload, 0)
-  settings = {**CONTENDERS, SUB_BATCH: dict(
-      learning_rate=None, quadratic_batch_size=max(1, workload.batch_size // 4))}
-  contenders = [harness.kfac_optax_contender(name, {**each, **periods}, workload,
-                                             step, model_state)
-                for name, each in settings.items()]
+  racers = [harness.kfac_optax_contender(name, {**each, **periods}, workload,
+                                         step, model_state)
+            for name, each in contenders(workload.batch_size).items()]
   with harness.single_threaded_lapack():
-    harness.warm_up(contenders, params, batches, WARMUP_STEPS)
-    record = harness.race(contenders, params, batches,
+    harness.warm_up(racers, params, batches, WARMUP_STEPS)
+    record = harness.race(racers, params, batches,
                           rounds * periods["inverse_update_period"])
   return {name: run["step_s"] for name, run in record.items()}
 
@@ -77,7 +80,7 @@ def main(argv=None):
         "autoencoder", 2, 4, 2)
   periods = dict(stats_update_period=args.stats_period,
                  inverse_update_period=args.inverse_period)
-  names = [*CONTENDERS, SUB_BATCH]
+  names = list(contenders(1))
   print(f"| workload | {' | '.join(names)} (mean ms per step / fixed) |")
   print("|---|" + "---:|" * len(names))
   results = {}

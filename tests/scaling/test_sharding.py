@@ -13,6 +13,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import kfac_optax
 from tests import brute_force as bf
 from tests.models.test_capture import SequenceNet
+from tests.optimizer.test_adaptive import grads_at
 from tests.curvature.test_masks import TokenNet, batch as token_batch
 
 
@@ -44,19 +45,9 @@ def cases():
   }
 
 
-# nn.Embed's lookup of batch-sharded ids cannot run under Explicit axes,
-# in the user's own step neither (test_a_model_that_explicit_axes_refuse...).
-@pytest.mark.parametrize("case, axis_type", [
-    *[(case, AxisType.Explicit) for case in sorted(cases()) if case != "embed-masked"],
-    ("mlp-fisher", AxisType.Auto), ("conv-norm-exact", AxisType.Auto),
-    ("embed-masked", AxisType.Auto)])
-def test_sharded_batch_gives_unsharded_updates(case, axis_type):
-  model, data, loss, inputs, estimation = cases()[case]
-  params = model.init(jax.random.key(1), inputs(data) if inputs else data[0])["params"]
-  tx = kfac_optax.kfac(model.apply, loss, example_batch=data, inputs=inputs,
-                       estimation=estimation, learning_rate=0.1,
-                       inverse_update_period=1)
-  grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(2), p.shape), params)
+def two_updates_unsharded_and_sharded(tx, params, grads, data, axis_type):
+  """Two jitted updates on ``data`` on one device, and on 8 devices with
+  the batch sharded: ``(expected, actual, the sharded run's state)``."""
 
   def two_updates(state, batch):
     out = []
@@ -71,7 +62,25 @@ def test_sharded_batch_gives_unsharded_updates(case, axis_type):
     sharded = jax.device_put(data, NamedSharding(mesh, P("data")))
     replicated = jax.device_put(tx.init(params), NamedSharding(mesh, P()))
     actual, state = jax.jit(two_updates)(replicated, sharded)
-  assert bf.relative_error(actual, jax.tree.map(np.asarray, expected)) < 1e-4
+  return jax.tree.map(np.asarray, expected), actual, state
+
+
+# nn.Embed's lookup of batch-sharded ids cannot run under Explicit axes,
+# in the user's own step neither (test_a_model_that_explicit_axes_refuse...).
+@pytest.mark.parametrize("case, axis_type", [
+    *[(case, AxisType.Explicit) for case in sorted(cases()) if case != "embed-masked"],
+    ("mlp-fisher", AxisType.Auto), ("conv-norm-exact", AxisType.Auto),
+    ("embed-masked", AxisType.Auto)])
+def test_sharded_batch_gives_unsharded_updates(case, axis_type):
+  model, data, loss, inputs, estimation = cases()[case]
+  params = model.init(jax.random.key(1), inputs(data) if inputs else data[0])["params"]
+  tx = kfac_optax.kfac(model.apply, loss, example_batch=data, inputs=inputs,
+                       estimation=estimation, learning_rate=0.1,
+                       inverse_update_period=1)
+  grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(2), p.shape), params)
+  expected, actual, state = two_updates_unsharded_and_sharded(
+      tx, params, grads, data, axis_type)
+  assert bf.relative_error(actual, expected) < 1e-4
   assert int(state[0].count) == 2
 
 
@@ -150,3 +159,20 @@ def test_explicit_arrays_from_the_user_outside_the_arguments(context):
     sharded = jax.device_put(data, NamedSharding(mesh, P("data")))
     actual = run(sharded, sharded, lambda tree: jax.device_put(tree, NamedSharding(mesh, P())))
   assert bf.relative_error(actual, jax.tree.map(np.asarray, expected)) < 1e-4
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_sub_batch_settings_on_a_sharded_batch_give_the_unsharded_updates(axis_type):
+  """curvature_batch_size and quadratic_batch_size slice a batch that the
+  mesh shards: the first 4 of 16 examples sit on 2 of the 8 devices."""
+  model, data, loss, _, _ = cases()["mlp-fisher"]
+  params = model.init(jax.random.key(1), data[0])["params"]
+  tx = kfac_optax.kfac(model.apply, loss, example_batch=data, momentum=None,
+                       curvature_batch_size=4, quadratic_batch_size=4,
+                       inverse_update_period=1, num_burnin_steps=0)
+  grads = grads_at(params, data)  # the true gradient: the steps are accepted
+  expected, actual, state = two_updates_unsharded_and_sharded(
+      tx, params, grads, data, axis_type)
+  assert bf.relative_error(actual, expected) < 1e-4
+  assert int(state[0].count) == 2
+  assert all(np.any(np.asarray(leaf)) for leaf in jax.tree.leaves(actual))  # accepted
