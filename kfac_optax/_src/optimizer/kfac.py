@@ -170,11 +170,12 @@ def kfac(
   batch's within 3 and the automatic step 1.29× the fixed one's (1.76×
   without); 32 of 128 images lost steps. Between ρ's measurements a
   sub-batch model's step can overshoot the rest of the batch (16 of the
-  LM's 32 sequences made its loss spike in two of four seeds): with it,
-  measure ρ every step (``damping_adaptation_interval=1``, a forward pass
-  on the n examples), which took 8 sequences to the LM's early losses in
-  0.85× the whole batch's time (benchmarks/RESULTS.md, "The automatic
-  mode's model from a sub-batch"; docs/settings.md).
+  LM's 32 sequences made its loss spike in two of four seeds); measuring
+  ρ every step (``damping_adaptation_interval=1``, a forward pass on the n
+  examples) stopped that, and took 8 sequences to the LM's early losses
+  in 0.85× the whole batch's time, but slowed Flax's Gemma example
+  (benchmarks/RESULTS.md, "The automatic mode's model from a sub-batch";
+  docs/settings.md).
 
   ``l2_reg`` is the coefficient η of an L2 term ``η/2 ‖θ‖²`` that the user
   adds to the loss (its gradient is the user's): it is added to the
