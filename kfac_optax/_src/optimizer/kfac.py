@@ -253,8 +253,9 @@ def kfac(
     # optax's own momentum does, and their sharding: zeros made from the
     # params (not a constant) let a jitted init place it where they are.
     curvature_state = curvature.init(params)
-    sub_batch.check_model_runs(curvature, params, quadratic_batch_size,
-                               "quadratic_batch_size")
+    if quadratic_batch_size != curvature.curvature_batch_size:  # else run there
+      sub_batch.check_model_runs(curvature, params, quadratic_batch_size,
+                                 "quadratic_batch_size")
     return KFACState(
         curvature_state, jax.tree.map(lambda p: p * 0, params),
         jnp.zeros([], jnp.int32), jnp.asarray(first_damping, jnp.float32) + 0.0,
