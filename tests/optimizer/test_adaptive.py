@@ -442,16 +442,19 @@ class UnboundedCategorical(type(LOSS)):
   nonnegative = False
 
 
-def implausible_case(loss, l2_reg, change):
+def implausible_case(loss, l2_reg, change, last_change=None):
   """`kfac_step` settings, a state whose last ρ was good and off the
   measurement interval, and coefficients whose undamped model predicts
-  ``change`` for the step α = 1 (``q₀(α) = -bα + α²/2``)."""
+  ``change`` for the step α = 1 (``q₀(α) = -bα + α²/2``), as the damped
+  one does; the last step's damped model predicted ``last_change``
+  (default ``change``)."""
   settings = kfac_step.Settings(
       kfac_optax.Curvature(bf.TinyMLP().apply, loss, BATCH, estimation="empirical"),
       None, None, None, True, 1e-2, 1000, 0.95, 1e-8, math.inf, l2_reg, 0, None)
   state = kfac_step.KFACState(None, None, jnp.array(3), jnp.float32(1e-2),
                               *[jnp.float32(0.0)] * 2, jnp.float32(1.0),
-                              *[jnp.float32(0.0)] * 2)
+                              jnp.float32(change if last_change is None else last_change),
+                              jnp.float32(0.0))
   outputs = bf.TinyMLP().apply({"params": PARAMS}, BATCH[0])
   quadratic = kfac_step._Quadratic(  # pylint: disable=protected-access
       jnp.eye(2), jnp.array([-(0.5 - change), 0.0]), loss.value(outputs, BATCH))
@@ -500,6 +503,36 @@ def test_a_step_predicted_to_lower_a_nonnegative_loss_below_zero_is_measured(l2_
     assert (float(damping) > float(state.damping)) == rises
     assert float(damping) >= float(state.damping)
     assert bool(np.any(flat64(delta))) != rises
+
+
+def test_a_step_predicted_to_lower_the_loss_far_more_than_the_last_is_measured():
+  """Off its interval, with a good last ρ, a solved step is measured when
+  its damped model predicts more than four times the last step's decrease
+  (here far less than the loss, so `_implausible` stays out): rejected, λ
+  raised, if the loss rose; taken, λ kept, if it fell. Fixed coefficients
+  (no quadratic model) are never measured for it."""
+  change = -0.1
+  surprising = kfac_step._surprising  # pylint: disable=protected-access
+  grads = grads_at(PARAMS, BATCH)
+  uphill = jax.tree.map(lambda g: 3.0 * g, grads)
+  downhill = jax.tree.map(lambda g: -1e-3 * g, grads)
+  for last, step, measured, rises in [(change / 4.04, uphill, True, True),
+                                      (change / 4.04, downhill, True, False),
+                                      (change / 3.96, uphill, False, False)]:
+    settings, state, coefficients = implausible_case(LOSS, 0.0, change, last)
+    assert bool(surprising(state, coefficients)) == measured
+    assert not kfac_step._implausible(  # pylint: disable=protected-access
+        settings, coefficients, PARAMS)
+    delta, rho, damping = kfac_step._adapt_damping(  # pylint: disable=protected-access
+        settings, state, coefficients, jnp.bool_(True), step, state.damping,
+        grads, PARAMS, BATCH, {}, None)
+    assert (float(rho) != 1.0) == measured
+    assert (float(rho) < 0) == rises
+    assert (float(damping) > float(state.damping)) == rises
+    assert float(damping) >= float(state.damping)
+    assert bool(np.any(flat64(delta))) != rises
+  _, state, coefficients = implausible_case(LOSS, 0.0, change, change / 10)
+  assert not surprising(state, coefficients._replace(quadratic=None))
 
 
 def test_joint_losses_are_nonnegative_when_every_head_is():

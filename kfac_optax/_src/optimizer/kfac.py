@@ -154,7 +154,10 @@ def kfac(
   by the Levenberg-Marquardt rule of Martens & Grosse (2015, section 6.5),
   see `adaptive.levenberg_marquardt`. A step the model does not predict to
   lower the loss has ρ = nan; a measured step with ρ < 0 or nan is not
-  taken (zero update, momentum restarted).
+  taken (zero update, momentum restarted). In the automatic mode a step
+  whose model predicts a decrease more than four times the last step's,
+  or more than four times a loss that cannot be negative, is measured
+  too, and not taken if its loss rose (λ then raised).
 
   The first ``num_burnin_steps`` updates only gather statistics and return
   zero updates. ``curvature_batch_size`` applies to the factors only: the
@@ -168,13 +171,12 @@ def kfac(
   the model's gradient term stays the batch's. With 250 of the deep
   autoencoder's 1000 images the steps to every target were the whole
   batch's within 3 and the automatic step 1.29× the fixed one's (1.76×
-  without); 32 of 128 images lost steps. Between ρ's measurements a
-  sub-batch model's step can overshoot the rest of the batch (16 of the
-  LM's 32 sequences made its loss spike in two of four seeds); measuring
-  ρ every step (``damping_adaptation_interval=1``, a forward pass on the n
-  examples) stopped that, and took 8 sequences to the LM's early losses
-  in 0.85× the whole batch's time, but slowed Flax's Gemma example
-  (benchmarks/RESULTS.md, "The automatic mode's model from a sub-batch";
+  without); 32 of 128 images lost steps. On the transformer LM, 8 or 16
+  of its 32 sequences took 1.05-1.13× the whole batch's steps to its
+  early losses at 0.78-0.86× its step, once the steps predicted to lower
+  the loss far more than the last were measured (before, such unmeasured
+  steps made the loss spike with 16 sequences in two of four seeds;
+  benchmarks/RESULTS.md, "The automatic mode's model from a sub-batch";
   docs/settings.md).
 
   ``l2_reg`` is the coefficient η of an L2 term ``η/2 ‖θ‖²`` that the user
