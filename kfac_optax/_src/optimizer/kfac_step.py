@@ -35,7 +35,7 @@ _NAN = float("nan")
 # A solved step whose damped model predicts more than this many times the
 # last step's decrease is measured (`_surprising`): on the transformer LM
 # benchmark, with the model built on 16 of 32 sequences, the loss jumped
-# from 2.7 to 4.5-5.1 at unmeasured steps predicted to lower it by 1.8-5.0,
+# from 2.4-2.7 to 4.5-5.1 at unmeasured steps predicted to lower it by 1.8-5.0,
 # 13-30 times the step before (benchmarks/RESULTS.md).
 _SURPRISE = 4.0
 
