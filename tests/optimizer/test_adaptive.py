@@ -442,7 +442,7 @@ class UnboundedCategorical(type(LOSS)):
   nonnegative = False
 
 
-def implausible_case(loss, l2_reg, change, last_change=None):
+def off_schedule_case(loss, l2_reg, change, last_change=None):
   """`kfac_step` settings, a state whose last ρ was good and off the
   measurement interval, and coefficients whose undamped model predicts
   ``change`` for the step α = 1 (``q₀(α) = -bα + α²/2``), as the damped
@@ -462,6 +462,23 @@ def implausible_case(loss, l2_reg, change, last_change=None):
       jnp.float32(1.0), jnp.float32(0.0), jnp.float32(change), quadratic)
 
 
+def gradient_and_steps():
+  """The gradient at PARAMS on BATCH, a step along it that raises the loss
+  (3 g) and one that lowers it a little (-1e-3 g)."""
+  grads = grads_at(PARAMS, BATCH)
+  return (grads, jax.tree.map(lambda g: 3.0 * g, grads),
+          jax.tree.map(lambda g: -1e-3 * g, grads))
+
+
+def adapt_off_schedule(case, step, grads):
+  """`kfac_step._adapt_damping` of ``step`` past burn-in in an
+  `off_schedule_case`: ``(δ, ρ, λ)``."""
+  settings, state, coefficients = case
+  return kfac_step._adapt_damping(  # pylint: disable=protected-access
+      settings, state, coefficients, jnp.bool_(True), step, state.damping,
+      grads, PARAMS, BATCH, {}, None)
+
+
 @pytest.mark.parametrize("l2_reg", [0.0, 0.1])
 def test_a_step_predicted_to_lower_a_nonnegative_loss_below_zero_is_measured(l2_reg):
   """Off its interval, with a good last ρ, a step is measured when the model
@@ -473,32 +490,27 @@ def test_a_step_predicted_to_lower_a_nonnegative_loss_below_zero_is_measured(l2_
   objective = loss_value + 0.5 * l2_reg * float(np.sum(flat64(PARAMS) ** 2))
   implausible = kfac_step._implausible  # pylint: disable=protected-access
   for change, expected in [(-4.04 * objective, True), (-3.96 * objective, False)]:
-    settings, _, coefficients = implausible_case(LOSS, l2_reg, change)
+    settings, _, coefficients = off_schedule_case(LOSS, l2_reg, change)
     assert bool(implausible(settings, coefficients, PARAMS)) == expected
-  settings, _, coefficients = implausible_case(UnboundedCategorical(), l2_reg,
+  settings, _, coefficients = off_schedule_case(UnboundedCategorical(), l2_reg,
                                                -8 * objective)
   assert not implausible(settings, coefficients, PARAMS)
 
-  grads = grads_at(PARAMS, BATCH)
-  uphill = jax.tree.map(lambda g: 3.0 * g, grads)  # raises the loss
+  grads, uphill, downhill = gradient_and_steps()
   for loss, change, measured in [(LOSS, -8 * objective, True),
                                  (LOSS, -2 * objective, False),
                                  (UnboundedCategorical(), -8 * objective, False)]:
-    settings, state, coefficients = implausible_case(loss, l2_reg, change)
-    delta, rho, _ = kfac_step._adapt_damping(  # pylint: disable=protected-access
-        settings, state, coefficients, jnp.bool_(True), uphill, state.damping,
-        grads, PARAMS, BATCH, {}, None)
+    delta, rho, _ = adapt_off_schedule(off_schedule_case(loss, l2_reg, change),
+                                       uphill, grads)
     assert (float(rho) != 1.0) == measured
     assert (not np.any(flat64(delta))) == measured  # ρ < 0: not taken
 
   # Measured for the check alone, λ rises only with the loss: a step whose
   # loss fell, by far less than predicted (0 <= ρ < ¼), is taken, λ kept.
-  downhill = jax.tree.map(lambda g: -1e-3 * g, grads)
   for step, rises in [(uphill, True), (downhill, False)]:
-    settings, state, coefficients = implausible_case(LOSS, l2_reg, -8 * objective)
-    delta, rho, damping = kfac_step._adapt_damping(  # pylint: disable=protected-access
-        settings, state, coefficients, jnp.bool_(True), step, state.damping,
-        grads, PARAMS, BATCH, {}, None)
+    case = off_schedule_case(LOSS, l2_reg, -8 * objective)
+    state = case[1]
+    delta, rho, damping = adapt_off_schedule(case, step, grads)
     assert (float(rho) < 0) == rises and float(rho) < 0.25
     assert (float(damping) > float(state.damping)) == rises
     assert float(damping) >= float(state.damping)
@@ -513,25 +525,22 @@ def test_a_step_predicted_to_lower_the_loss_far_more_than_the_last_is_measured()
   (no quadratic model) are never measured for it."""
   change = -0.1
   surprising = kfac_step._surprising  # pylint: disable=protected-access
-  grads = grads_at(PARAMS, BATCH)
-  uphill = jax.tree.map(lambda g: 3.0 * g, grads)
-  downhill = jax.tree.map(lambda g: -1e-3 * g, grads)
+  grads, uphill, downhill = gradient_and_steps()
   for last, step, measured, rises in [(change / 4.04, uphill, True, True),
                                       (change / 4.04, downhill, True, False),
                                       (change / 3.96, uphill, False, False)]:
-    settings, state, coefficients = implausible_case(LOSS, 0.0, change, last)
+    case = off_schedule_case(LOSS, 0.0, change, last)
+    settings, state, coefficients = case
     assert bool(surprising(state, coefficients)) == measured
     assert not kfac_step._implausible(  # pylint: disable=protected-access
         settings, coefficients, PARAMS)
-    delta, rho, damping = kfac_step._adapt_damping(  # pylint: disable=protected-access
-        settings, state, coefficients, jnp.bool_(True), step, state.damping,
-        grads, PARAMS, BATCH, {}, None)
+    delta, rho, damping = adapt_off_schedule(case, step, grads)
     assert (float(rho) != 1.0) == measured
     assert (float(rho) < 0) == rises
     assert (float(damping) > float(state.damping)) == rises
     assert float(damping) >= float(state.damping)
     assert bool(np.any(flat64(delta))) != rises
-  _, state, coefficients = implausible_case(LOSS, 0.0, change, change / 10)
+  _, state, coefficients = off_schedule_case(LOSS, 0.0, change, change / 10)
   assert not surprising(state, coefficients._replace(quadratic=None))
 
 
